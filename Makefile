@@ -1,0 +1,34 @@
+# `make test` and `make demo` work on a machine with nothing but Python: each builds .venv once,
+# then reuses it (the stamp is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.growcache-installed
+# CPU builds for the test machine; users installing growcache[torch,tf] keep their own builds.
+CPU_FRAMEWORKS := torch==2.13.0 tensorflow-cpu==2.21.0
+
+.PHONY: test demo venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24" "setuptools>=77" wheel
+	$(BIN)/python -m pip install -q $(CPU_FRAMEWORKS) "tfrecord>=1.14"
+	$(BIN)/python -m pip install -q -e ".[test,s3,gcs,bench]"
+	touch $(STAMP)
+
+# TensorFlow and the `tfrecord` package cannot share one process (both register
+# tensorflow.BytesList in protobuf's pool), so TF tests run in a pytest process of their own.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/tf
+	$(BIN)/python -m pytest -q tests/tf
+
+demo: $(STAMP)
+	$(BIN)/growcache demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/shard_io.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

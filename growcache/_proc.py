@@ -1,0 +1,43 @@
+"""Process identity that survives pid reuse: ``(pid, start time)``."""
+
+from __future__ import annotations
+
+import os
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; fields resume after the last ')'.
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot, or ``None`` if unknown."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def this_process() -> tuple[int, int | None]:
+    """``(pid, start time)`` of the calling process."""
+    pid = os.getpid()
+    return pid, process_start_time(pid)
+
+
+def is_alive(pid: int, start_time: int | None) -> bool:
+    """True if the process ``pid`` that started at ``start_time`` still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    fields = _stat_fields(pid)
+    if fields is None:  # no /proc: trust the signal probe
+        return True
+    if fields[0] in (b"Z", b"X"):  # exited, waiting to be reaped
+        return False
+    return start_time is None or int(fields[19]) == start_time

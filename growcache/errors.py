@@ -1,0 +1,85 @@
+"""Error classes of growcache.
+
+Every class subclasses a builtin, so callers can keep catching ``ValueError``,
+``OSError`` or ``RuntimeError`` as they do for other libraries. Messages name the
+file, the byte offset or the feature at fault, and say how to fix the problem.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheFormatError",
+    "CacheFullError",
+    "CorruptShardError",
+    "EmptyCacheError",
+    "GrowcacheError",
+    "MissingExtraError",
+    "SamplerError",
+    "SchemaError",
+    "SchemaMismatchError",
+    "SourceError",
+    "TransientSourceError",
+]
+
+
+class GrowcacheError(Exception):
+    """Base class of every error growcache raises on purpose."""
+
+
+class SchemaError(GrowcacheError, ValueError):
+    """A schema is malformed, or a sample does not match it (feature, expected, actual)."""
+
+
+class SchemaMismatchError(SchemaError):
+    """A cache was reopened, or a shard added, with a schema that differs from the stored one."""
+
+
+class CorruptShardError(GrowcacheError, ValueError):
+    """A shard failed a CRC32C check or ended mid-record.
+
+    Attributes:
+        path: the shard file.
+        offset: byte offset of the record that failed.
+        reason: what was wrong at that offset.
+    """
+
+    def __init__(self, path: str, offset: int, reason: str) -> None:
+        self.path = str(path)
+        self.offset = int(offset)
+        self.reason = reason
+        super().__init__(
+            f"corrupt shard {self.path} at byte offset {self.offset}: {reason}. "
+            "The shard cannot be trusted: run `growcache verify --remove-corrupt CACHE_DIR` "
+            "to drop it (other shards are untouched), or read with on_corrupt='skip'."
+        )
+
+    def __reduce__(self):  # keep (path, offset, reason) across process boundaries
+        return (type(self), (self.path, self.offset, self.reason))
+
+
+class CacheFormatError(GrowcacheError, ValueError):
+    """A cache directory's metadata is missing, unreadable or from a newer format version."""
+
+
+class CacheFullError(GrowcacheError, RuntimeError):
+    """A shard cannot fit in the byte budget: it is larger than the budget, or leases pin the rest."""
+
+
+class EmptyCacheError(GrowcacheError, RuntimeError):
+    """An epoch was requested from a cache that holds no published shard."""
+
+
+class MissingExtraError(GrowcacheError, ImportError):
+    """An optional dependency (a framework or a filesystem) is not installed."""
+
+
+class SourceError(GrowcacheError, OSError):
+    """A remote store failed permanently (no such bucket, access denied, empty glob)."""
+
+
+class TransientSourceError(SourceError):
+    """A remote store kept failing with retryable errors after every retry."""
+
+
+class SamplerError(GrowcacheError, RuntimeError):
+    """A sampler worker failed; the message carries the worker's traceback."""

@@ -1,0 +1,205 @@
+"""ShardWriter: writes records to a temporary file and publishes it atomically."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import _proc
+from .errors import CacheFullError, SchemaError
+from .example import ExampleCodec
+from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header
+from .shard import SHARD_SUFFIX, TMP_PREFIX, ShardInfo
+
+if TYPE_CHECKING:
+    from .cache import Cache
+
+__all__ = ["ShardWriter"]
+
+logger = logging.getLogger(__name__)
+
+_FLUSH_BYTES = 4 << 20
+_IOV_MAX = 512
+
+
+def temp_shard_name(token: str) -> str:
+    """A temporary name that tells which process writes it, so stale ones can be found."""
+    pid, start = _proc.this_process()
+    return f"{TMP_PREFIX}{pid}-{start or 0}-{token}{SHARD_SUFFIX}"
+
+
+def temp_owner(name: str) -> tuple[int, int | None] | None:
+    """``(pid, start time)`` of the writer of a temporary, or ``None`` if it is not one."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    parts = name[len(TMP_PREFIX):].split("-")
+    try:
+        return int(parts[0]), int(parts[1]) or None
+    except (IndexError, ValueError):
+        return None
+
+
+class ShardWriter:
+    """Writes samples as TFRecord-framed ``tf.train.Example`` records into one new shard.
+
+    Records go to a temporary file in the cache's shard directory; :meth:`close` fsyncs
+    it and publishes it with ``os.replace``, so no reader ever sees a partial shard.
+    Get one from :meth:`Cache.writer`.
+
+    Args:
+        cache: the cache to publish into.
+        publish_timeout: seconds :meth:`close` may wait for leases to free room in the
+            budget; ``None`` waits as long as it takes. Default: ``None``.
+        should_stop: called while waiting for room; returning ``True`` abandons the wait
+            and discards the shard (a stopping sampler uses it). Default: ``None``.
+        durable: fsync the shard and directory on publish. Default: ``True``.
+    """
+
+    def __init__(
+        self,
+        cache: Cache,
+        *,
+        publish_timeout: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        durable: bool = True,
+    ) -> None:
+        if cache.schema is None:
+            raise SchemaError(
+                f"cache {cache.path} has no schema, so records cannot be written: open it with "
+                "Cache(path, schema=Schema({...}))"
+            )
+        self.cache = cache
+        self.schema = cache.schema
+        self.codec = ExampleCodec(cache.schema)
+        self.publish_timeout = publish_timeout
+        self.should_stop = should_stop
+        self.durable = durable
+        self.records = 0
+        self.nbytes = 0
+        self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache.file_mode)
+        self._pending: list[Any] = []
+        self._pending_bytes = 0
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            self.abort()
+
+    @property
+    def closed(self) -> bool:
+        """True once the shard was published or discarded."""
+        return self._fd is None
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Validate ``sample`` against the schema and append it as one record.
+
+        Raises:
+            SchemaError: the sample does not match the cache's schema.
+            CacheFullError: the shard grew larger than the cache's whole budget, or the
+                disk is full. The temporary file is removed; the cache is untouched.
+        """
+        arrays = self.schema.validate(sample)
+        self._append(self.codec.encode_pieces(arrays), self.codec.record_nbytes)
+
+    def write_serialized(self, record: Any) -> None:
+        """Append one already serialized record (it must follow the schema)."""
+        self._append([record], memoryview(record).nbytes)
+
+    def _append(self, pieces: list[Any], length: int) -> None:
+        if self._fd is None:
+            raise ValueError(f"ShardWriter for {self.path} is closed; get a new one from cache.writer()")
+        crc = 0
+        for piece in pieces:
+            crc = crc32c(piece, crc)
+        frame = length + HEADER_BYTES + FOOTER_BYTES
+        if self.nbytes + frame > self.cache.capacity:
+            self.abort()
+            raise CacheFullError(
+                f"shard {self.path} would grow to {self.nbytes + frame} bytes, more than the cache's whole "
+                f"capacity of {self.cache.capacity} bytes. Raise the capacity or write smaller shards "
+                "(lower shard_size)."
+            )
+        self._pending.append(frame_header(length))
+        self._pending.extend(pieces)
+        self._pending.append(frame_footer(crc))
+        self._pending_bytes += frame
+        self.records += 1
+        self.nbytes += frame
+        if self._pending_bytes >= _FLUSH_BYTES or len(self._pending) >= _IOV_MAX:
+            self._flush()
+
+    def _flush(self) -> None:
+        buffers, self._pending, self._pending_bytes = self._pending, [], 0
+        try:
+            while buffers:
+                written = os.writev(self._fd, buffers)  # type: ignore[arg-type]
+                # A short write leaves a tail to resend; rare for regular files.
+                while buffers and written >= memoryview(buffers[0]).nbytes:
+                    written -= memoryview(buffers[0]).nbytes
+                    buffers.pop(0)
+                if written:
+                    buffers[0] = memoryview(buffers[0]).cast("B")[written:]
+        except OSError as exc:
+            self.abort()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CacheFullError(
+                    f"the disk holding {self.cache.path} is full while writing {self.path}; the partial shard "
+                    "was removed and published shards are untouched. Free disk space or lower the cache capacity."
+                ) from exc
+            raise
+
+    def close(self) -> ShardInfo | None:
+        """Publish the shard and return it; an empty shard is discarded (returns ``None``).
+
+        Waits while the budget is full of leased shards (see ``publish_timeout``).
+
+        Raises:
+            CacheFullError: ``publish_timeout`` passed before leases freed enough room.
+        """
+        if self._fd is None:
+            return None
+        if self.records == 0:
+            self.abort()
+            return None
+        self._flush()
+        if self.durable:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        try:
+            return self.cache._publish(
+                self.path, self.records, self.nbytes, timeout=self.publish_timeout, should_stop=self.should_stop
+            )
+        except BaseException:
+            _unlink_quiet(self.path)
+            raise
+
+    def abort(self) -> None:
+        """Discard the shard and its temporary file; idempotent."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        self._pending = []
+        _unlink_quiet(self.path)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
