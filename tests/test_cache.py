@@ -1,0 +1,319 @@
+"""Cache directory: publish, snapshot leases, budget and eviction, metadata, verify, add_shard."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from growcache import (
+    Cache,
+    CacheFormatError,
+    CacheFullError,
+    CorruptShardError,
+    Schema,
+    SchemaError,
+    SchemaMismatchError,
+)
+from growcache.eviction import choose_evictions_fifo
+from growcache.records import iter_records
+from growcache.shard import ShardInfo
+
+from conftest import ID_SCHEMA, id_sample, write_shards
+
+SHARD_OF_10 = None  # bytes of a 10-record shard of ID_SCHEMA, computed below
+
+
+def _shard_bytes(records: int) -> int:
+    from growcache.example import ExampleCodec
+
+    return records * (ExampleCodec(ID_SCHEMA).record_nbytes + 16)
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True)
+
+
+def test_publish_lists_in_order_and_reads_back(id_cache):
+    ids = write_shards(id_cache, [3, 4, 5])
+    shards = id_cache.list_shards()
+    assert [s.records for s in shards] == [3, 4, 5]
+    assert [s.seq for s in shards] == sorted(s.seq for s in shards)
+    assert all(os.path.getsize(s.path) == s.nbytes for s in shards)
+    from growcache.example import ExampleCodec
+
+    codec = ExampleCodec(ID_SCHEMA)
+    got = [int(codec.decode(r)["id"]) for s in shards for _, r in iter_records(s.path)]
+    assert got == ids
+
+
+def test_shard_in_progress_is_never_listed(id_cache):
+    writer = id_cache.writer()
+    writer.write(id_sample(1))
+    writer._flush()
+    assert os.path.exists(writer.path)
+    assert id_cache.list_shards() == [] and len(id_cache.snapshot()) == 0
+    info = writer.close()
+    assert id_cache.list_shards() == [info] and not os.path.exists(writer.path)
+
+
+def test_writer_context_discards_on_exception_and_empty_writer_publishes_nothing(id_cache):
+    with pytest.raises(RuntimeError):
+        with id_cache.writer() as writer:
+            writer.write(id_sample(1))
+            raise RuntimeError("sampler failed")
+    assert id_cache.list_shards() == [] and not os.path.exists(writer.path)
+    assert id_cache.writer().close() is None
+    assert os.listdir(id_cache.shards_dir) == []
+
+
+def test_reopen_keeps_schema_and_capacity_and_refuses_other_schema(id_cache):
+    write_shards(id_cache, [2])
+    again = Cache(id_cache.path)
+    assert again.schema == ID_SCHEMA and again.capacity == id_cache.capacity
+    with pytest.raises(SchemaMismatchError, match="holds records of schema"):
+        Cache(id_cache.path, schema={"id": ("int32", ())})
+    assert Cache(id_cache.path, capacity="2GB").capacity == 2 * 10**9
+    assert len(Cache(id_cache.path).list_shards()) == 1
+
+
+def test_newer_format_and_damaged_metadata_are_refused(id_cache):
+    meta_path = os.path.join(id_cache.path, "growcache.json")
+    meta = json.load(open(meta_path))
+    meta["format_version"] = 99
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(CacheFormatError, match="format version 99.*Upgrade growcache"):
+        Cache(id_cache.path)
+    open(meta_path, "w").write("{not json")
+    with pytest.raises(CacheFormatError, match="not valid JSON"):
+        Cache(id_cache.path)
+
+
+def test_cache_path_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        Cache(path)
+
+
+@pytest.mark.parametrize("capacity", [0, -5, "0GB", "lots"])
+def test_bad_capacity(tmp_path, capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        Cache(tmp_path / "c", capacity=capacity, schema=ID_SCHEMA)
+
+
+def test_writing_without_schema_says_how_to_fix(tmp_path):
+    with pytest.raises(SchemaError, match="schema="):
+        Cache(tmp_path / "c").writer()
+
+
+def test_shard_larger_than_budget_is_a_clear_error_and_harms_nothing(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(3), schema=ID_SCHEMA)
+    write_shards(cache, [2])
+    before = {s.path: _digest(s.path) for s in cache.list_shards()}
+    writer = cache.writer()
+    with pytest.raises(CacheFullError, match="more than the cache's whole capacity.*Raise the capacity"):
+        for i in range(10):
+            writer.write(id_sample(i))
+    assert not os.path.exists(writer.path)
+    assert {s.path: _digest(s.path) for s in cache.list_shards()} == before
+
+
+def test_fifo_eviction_keeps_budget(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 3, schema=ID_SCHEMA)
+    write_shards(cache, [10] * 7)
+    shards = cache.list_shards()
+    assert [s.seq for s in shards] == [5, 6, 7]
+    stats = cache.stats()
+    assert stats.bytes <= cache.capacity and stats.evicted == 4 and stats.published == 7
+    assert stats.evicted_bytes == 4 * _shard_bytes(10)
+
+
+def test_leased_shards_survive_eviction_and_writer_waits(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    snapshot = cache.snapshot()
+    assert snapshot.leased and len(snapshot) == 2
+    published = []
+    writer_thread = threading.Thread(target=lambda: published.append(write_shards(cache, [10], first_id=100)))
+    writer_thread.start()
+    time.sleep(0.5)
+    # Everything evictable is leased: the writer waits rather than overshoot the budget.
+    assert writer_thread.is_alive() and not published
+    assert all(os.path.exists(p) for p in snapshot.paths)
+    snapshot.close()
+    writer_thread.join(10)
+    assert published and cache.stats().bytes <= cache.capacity
+    assert [s.seq for s in cache.list_shards()] == [2, 3]
+
+
+def test_publish_timeout_raises_and_removes_temporary(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10), schema=ID_SCHEMA)
+    write_shards(cache, [10])
+    with cache.snapshot():
+        writer = cache.writer(publish_timeout=0.2)
+        for i in range(10):
+            writer.write(id_sample(i))
+        with pytest.raises(CacheFullError, match="leased shards fill the budget"):
+            writer.close()
+        assert not os.path.exists(writer.path)
+    assert len(cache.list_shards()) == 1
+
+
+def test_snapshot_lease_released_on_close_gc_and_not_pickled(id_cache):
+    write_shards(id_cache, [1, 1])
+    leases = os.path.join(id_cache.path, "leases")
+    snapshot = id_cache.snapshot()
+    assert len(os.listdir(leases)) == 1
+    view = pickle.loads(pickle.dumps(snapshot))
+    assert view.shards == snapshot.shards and not view.leased
+    del view
+    assert len(os.listdir(leases)) == 1
+    del snapshot
+    assert os.listdir(leases) == []
+    with id_cache.snapshot() as snap:
+        assert id_cache.stats().leases == 1 and id_cache.stats().leased_shards == 2
+    assert not snap.leased and id_cache.stats().leases == 0
+
+
+def test_lease_of_a_dead_process_expires(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    child = _child(
+        f"""
+        import time, growcache
+        snap = growcache.Cache({cache.path!r}).snapshot()
+        print(len(snap), flush=True)
+        time.sleep(60)
+        """
+    )
+    assert child.stdout.readline().strip() == "2"
+    assert cache.stats().leases == 1
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    write_shards(cache, [10])  # would wait forever if the dead child's lease still held
+    assert [s.seq for s in cache.list_shards()] == [2, 3]
+    assert os.listdir(os.path.join(cache.path, "leases")) == []
+
+
+def test_stale_temporary_of_a_killed_writer_is_removed_on_open(id_cache):
+    child = _child(
+        f"""
+        import time, growcache, numpy as np
+        cache = growcache.Cache({id_cache.path!r})
+        writer = cache.writer()
+        writer.write({{"id": np.int64(1), "x": np.zeros((4, 8), np.float32)}})
+        writer._flush()
+        print(writer.path, flush=True)
+        time.sleep(60)
+        """
+    )
+    tmp = child.stdout.readline().strip()
+    assert os.path.exists(tmp)
+    Cache(id_cache.path)  # the writer is alive: its temporary stays
+    assert os.path.exists(tmp)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    Cache(id_cache.path)
+    assert not os.path.exists(tmp)
+    assert id_cache.list_shards() == []
+
+
+def test_verify_reports_flip_and_truncation_and_touches_nothing_else(id_cache):
+    write_shards(id_cache, [5, 5, 5, 5])
+    shards = id_cache.list_shards()
+    frame = shards[0].nbytes // 5
+    with open(shards[1].path, "r+b") as f:
+        f.seek(frame * 3 + 50)
+        f.write(b"\x00\xff")
+    os.truncate(shards[2].path, frame * 4 + 7)
+    good = {s.path: _digest(s.path) for s in (shards[0], shards[3])}
+    report = id_cache.verify()
+    assert not report.ok and report.shards == 4
+    found = {c.path: c.offset for c in report.corrupt}
+    assert found == {shards[1].path: frame * 3, shards[2].path: frame * 4}
+    with id_cache.snapshot():
+        removed = id_cache.verify(remove_corrupt=True).removed
+    assert removed == []  # leased shards are never deleted
+    assert sorted(id_cache.verify(remove_corrupt=True).removed) == sorted(found)
+    assert {s.path: _digest(s.path) for s in id_cache.list_shards()} == good
+    assert id_cache.verify().ok
+
+
+def test_verify_lists_foreign_files(id_cache):
+    write_shards(id_cache, [2])
+    junk = os.path.join(id_cache.shards_dir, "random.bin")
+    with open(junk, "wb") as f:
+        f.write(os.urandom(100))
+    report = id_cache.verify()
+    assert report.ok and report.foreign == [junk] and len(id_cache.list_shards()) == 1
+
+
+def test_add_shard_checks_crc_and_schema_and_publishes(id_cache, tmp_path):
+    other = Cache(tmp_path / "other", schema=ID_SCHEMA)
+    ids = write_shards(other, [6])
+    source = other.list_shards()[0].path
+    info = id_cache.add_shard(source)
+    assert info.records == 6 and os.path.exists(source)
+    from growcache.example import ExampleCodec
+
+    codec = ExampleCodec(ID_SCHEMA)
+    assert [int(codec.decode(r)["id"]) for _, r in iter_records(info.path)] == ids
+
+    wrong = Cache(tmp_path / "wrong", schema={"id": ("int64", ())})
+    write_shards_wrong = wrong.writer()
+    write_shards_wrong.write({"id": np.int64(3)})
+    wrong_path = write_shards_wrong.close().path
+    with pytest.raises(SchemaError, match="byte offset 0"):
+        id_cache.add_shard(wrong_path)
+
+    broken = tmp_path / "broken.tfrecord"
+    broken.write_bytes(open(source, "rb").read()[:-3])
+    with pytest.raises(CorruptShardError) as info_err:
+        id_cache.add_shard(broken)
+    assert info_err.value.path == str(broken)
+    assert len(id_cache.list_shards()) == 1
+    assert [n for n in os.listdir(id_cache.shards_dir) if n.startswith(".tmp")] == []
+
+
+def test_new_cache_is_owner_only(tmp_path):
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    write_shards(cache, [1])
+    for path in [cache.path, cache.shards_dir, cache.list_shards()[0].path,
+                 os.path.join(cache.path, "growcache.json"), os.path.join(cache.path, "state.json")]:
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, path
+
+
+def test_prune_to_size(id_cache):
+    write_shards(id_cache, [10] * 4)
+    removed = id_cache.prune(to=_shard_bytes(10) * 2 + 1)
+    assert [s.seq for s in removed] == [1, 2]
+    assert id_cache.prune(to=0) and id_cache.list_shards() == []
+
+
+def _shard(seq, nbytes=10):
+    return ShardInfo(seq, f"/c/{seq}", 1, nbytes)
+
+
+def test_fifo_policy_is_pure_and_skips_leases():
+    shards = [_shard(s) for s in (3, 1, 2, 4)]
+    assert choose_evictions_fifo(shards, set(), 40) == []
+    assert [s.seq for s in choose_evictions_fifo(shards, set(), 30, incoming=5)] == [1, 2]
+    assert [s.seq for s in choose_evictions_fifo(shards, {1}, 30, incoming=5)] == [2, 3]
+    assert choose_evictions_fifo(shards, {1, 2, 3, 4}, 30, incoming=15) is None
+    assert choose_evictions_fifo(shards, {2, 3, 4}, 25, incoming=10) is None
