@@ -123,7 +123,9 @@ class _FrameReader:
                     break
                 self.filled += got
             begin = 0
-        return self.view[begin:begin + min(need, self.filled - begin)]
+            if self.filled < need:
+                raise CorruptShardError(self.path, offset, "file shrank while it was read")
+        return self.view[begin:begin + need]
 
     def records(self, verify: bool) -> Iterator[tuple[int, memoryview]]:
         path, size, offset = self.path, self.size, 0

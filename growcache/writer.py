@@ -80,6 +80,7 @@ class ShardWriter:
         self.records = 0
         self.nbytes = 0
         self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
+        self._owner_pid = os.getpid()
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache.file_mode)
         self._pending: list[Any] = []
         self._pending_bytes = 0
@@ -94,7 +95,8 @@ class ShardWriter:
             self.abort()
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
+        # A forked child's copy must not discard the parent's shard.
+        if getattr(self, "_fd", None) is not None and os.getpid() == getattr(self, "_owner_pid", None):
             self.abort()
 
     @property
