@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 # TensorFlow and the `tfrecord` package cannot share one process (both register
 # tensorflow.BytesList in protobuf's pool), so TF tests run in a pytest process of their own.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests --ignore=tests/tf
-	$(BIN)/python -m pytest -q tests/tf
+	@status=0; \
+	$(BIN)/python -m pytest -q tests --ignore=tests/tf || status=1; \
+	$(BIN)/python -m pytest -q tests/tf || status=1; \
+	exit $$status
 
 demo: $(STAMP)
 	$(BIN)/growcache demo
