@@ -189,8 +189,13 @@ class Cache:
             holder: a label stored in the lease, shown by ``growcache status``. Default: ``""``.
         """
         # Listing and leasing happen under the lock: an eviction between them could
-        # delete a listed shard before the lease protects it.
+        # delete a listed shard before the lease protects it. Shards published while the
+        # previous epoch held its lease are trimmed to the budget first, so a snapshot
+        # never holds more than the capacity (unless other live snapshots pin more).
         with self._locked():
+            victims = self._choose_victims(incoming=0)
+            if victims:
+                self._delete(victims)
             shards = self.list_shards()
             lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
         return Snapshot(shards, lease)
@@ -334,8 +339,17 @@ class Cache:
         return victims
 
     def _choose_victims(self, incoming: int) -> list[ShardInfo] | None:
-        """Assumes you hold the lock."""
-        return self.eviction_policy(self.list_shards(), self._leased_seqs(), self.capacity, incoming, time.time())
+        """Shards to delete so ``incoming`` bytes fit. Assumes you hold the lock.
+
+        The budget applies to unleased shards: leased ones may push the directory over the
+        capacity by their own size until their epoch ends. This keeps writers from stalling
+        for a whole epoch once the cache is full (the trainer leases everything at each
+        epoch start), and bounds the disk at capacity + leased bytes.
+        """
+        shards = self.list_shards()
+        leased = self._leased_seqs()
+        leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
+        return self.eviction_policy(shards, leased, self.capacity + leased_bytes, incoming, time.time())
 
     def _leased_seqs(self) -> set[int]:
         """Assumes you hold the lock (dead holders' leases are removed)."""

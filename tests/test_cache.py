@@ -144,26 +144,44 @@ def test_fifo_eviction_keeps_budget(tmp_path):
     assert stats.evicted_bytes == 4 * _shard_bytes(10)
 
 
-def test_leased_shards_survive_eviction_and_writer_waits(tmp_path):
+def test_leased_shards_survive_and_the_next_snapshot_trims_to_budget(tmp_path):
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
     snapshot = cache.snapshot()
     assert snapshot.leased and len(snapshot) == 2
+    # Writers keep publishing during the epoch: the budget applies to unleased shards, so the
+    # directory may exceed the capacity by the leased bytes, never more.
+    write_shards(cache, [10, 10, 10], first_id=100)
+    assert all(os.path.exists(p) for p in snapshot.paths)
+    assert [s.seq for s in cache.list_shards()] == [1, 2, 4, 5]
+    assert cache.stats().bytes == cache.capacity + snapshot.nbytes
+    snapshot.close()
+    with cache.snapshot() as next_epoch:
+        assert [s.seq for s in next_epoch] == [4, 5]
+    assert cache.stats().bytes <= cache.capacity
+
+
+def _refuse_while_leased(shards, leased, capacity, incoming, now):
+    return None if leased else choose_evictions_fifo(shards, leased, capacity, incoming, now)
+
+
+def test_writer_waits_when_the_policy_refuses_and_resumes_after_release(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA,
+                  eviction_policy=_refuse_while_leased)
+    write_shards(cache, [10, 10])
+    snapshot = cache.snapshot()
     published = []
     writer_thread = threading.Thread(target=lambda: published.append(write_shards(cache, [10], first_id=100)))
     writer_thread.start()
     time.sleep(0.5)
-    # Everything evictable is leased: the writer waits rather than overshoot the budget.
     assert writer_thread.is_alive() and not published
-    assert all(os.path.exists(p) for p in snapshot.paths)
     snapshot.close()
     writer_thread.join(10)
-    assert published and cache.stats().bytes <= cache.capacity
-    assert [s.seq for s in cache.list_shards()] == [2, 3]
+    assert published and [s.seq for s in cache.list_shards()] == [2, 3]
 
 
 def test_publish_timeout_raises_and_removes_temporary(tmp_path):
-    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10), schema=ID_SCHEMA)
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10), schema=ID_SCHEMA, eviction_policy=_refuse_while_leased)
     write_shards(cache, [10])
     with cache.snapshot():
         writer = cache.writer(publish_timeout=0.2)
