@@ -41,3 +41,9 @@ def test_runnable_block(code, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             timeout=240, env=env)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+
+def test_api_reference_is_current():
+    result = subprocess.run([sys.executable, str(ROOT / "docs" / "make_api.py"), "--check"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
