@@ -1,0 +1,639 @@
+"""Read throughput of growcache's adapters beside the tools users would pick instead, on the same shards.
+
+One run measures, on one shard set per record size (incompressible float32 records written
+with ``growcache.Cache(...).writer()``), each contender in a process of its own:
+
+* ``plain_read``: sequential ``readinto`` of the shard files, the physical limit here;
+* ``tf_raw_records``: ``tf.data.TFRecordDataset`` records, batched, not parsed;
+* ``tf_handwritten``: the best hand-written tf.data pipeline (interleave, batch,
+  ``parse_example``, ``decode_raw``);
+* ``growcache_tf``: ``growcache.make_tf_dataset``;
+* ``tfrecord_indexed`` / ``tfrecord_unindexed``: the ``tfrecord`` package as its README shows
+  (``TFRecordDataset`` + ``DataLoader(num_workers=2)``), with and without index files.
+  Without them every worker reads every record: unique records are counted and the
+  duplication is flagged;
+* ``growcache_torch_1w`` / ``growcache_torch_2w``: ``growcache.make_torch_loader``;
+* ``webdataset``: WebDataset over the same records written as tar shards.
+
+Then a growth scenario: a ``SamplerPool`` writes at a set rate into a cache with a small
+byte budget while each adapter trains epoch after epoch.
+
+Figures: payload MB/s of unique records, records/s, ratio to the plain read, the training
+process's CPU seconds per GB, peak RSS, time to the first batch; median of ``--repeats``
+epochs after one warm-up epoch, with min and max. Output: JSON, a markdown table, PNG plots;
+``--update-docs`` writes them into ``docs/benchmarks.md`` and ``docs/img/``.
+
+Usage::
+
+    python benchmarks/throughput.py [--total 2GiB] [--repeats 3] [--json out.json] [--plots DIR]
+                                    [--dir SCRATCH] [--update-docs] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import logging
+import mmap
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+
+import numpy as np
+
+import growcache
+
+logger = logging.getLogger("growcache.bench")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "_throughput_worker.py")
+SET_FORMAT = 1  # bump when the shard set's layout changes, so old sets are not reused
+
+# name -> (label in tables, framework the process imports)
+CONTENDERS = {
+    "plain_read": ("plain readinto (physical limit)", "none"),
+    "tf_raw_records": ("tf.data TFRecordDataset, raw records", "tensorflow"),
+    "tf_handwritten": ("tf.data hand-written (interleave+parse_example)", "tensorflow"),
+    "growcache_tf": ("growcache make_tf_dataset", "tensorflow"),
+    "tfrecord_indexed": ("tfrecord pkg + DataLoader(2), index files", "torch"),
+    "tfrecord_unindexed": ("tfrecord pkg + DataLoader(2), no index", "torch"),
+    "growcache_torch_1w": ("growcache make_torch_loader, 1 worker", "torch"),
+    "growcache_torch_2w": ("growcache make_torch_loader, 2 workers", "torch"),
+    "webdataset": ("WebDataset tars + WebLoader(2)", "torch"),
+}
+TORCH_ADAPTERS = ("growcache_torch_1w", "growcache_torch_2w")
+
+# (target name, record size) -> minimum ratio, or maximum CPU s/GB
+TARGETS_MIN_RATIO = {"torch_vs_tf_adapter": 1.0, "torch_vs_tfrecord_indexed": 2.0, "tf_vs_handwritten": 0.95}
+TARGET_VS_PLAIN = {"1MiB": 0.25, "16KiB": 0.15}
+TARGET_CPU_S_PER_GB = {"1MiB": 0.05, "16KiB": 0.15}
+
+
+# --------------------------------------------------------------------------------- args
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total", default="2GiB", help="payload bytes per record size (default 2GiB)")
+    parser.add_argument("--sizes", default="1MiB,16KiB", help="record payload sizes (default 1MiB,16KiB)")
+    parser.add_argument("--shard-size", default="256MiB", help="bytes per shard (default 256MiB)")
+    parser.add_argument("--batch-bytes", default="16MiB",
+                        help="payload bytes per batch; batch size = this / record size (default 16MiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender (default 3)")
+    parser.add_argument("--warmup-epochs", type=int, default=1, help="untimed epochs first (default 1)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="comma-separated subset of: " + ", ".join(CONTENDERS))
+    parser.add_argument("--dir", default=None,
+                        help="keep shard sets here and reuse them when the parameters match "
+                             "(default: a temporary directory, removed at the end)")
+    parser.add_argument("--json", default=None, help="write all figures to this JSON file")
+    parser.add_argument("--plots", default=None, help="write PNG plots into this directory")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the table and plots into docs/benchmarks.md and docs/img/")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one contender may take (default 900)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks that it runs")
+    growth = parser.add_argument_group("growth scenario")
+    growth.add_argument("--no-growth", dest="growth", action="store_false", help="skip the growth scenario")
+    growth.add_argument("--growth-seconds", type=float, default=20, help="training time per adapter (default 20)")
+    growth.add_argument("--growth-rate", default="128MB", help="sampler payload bytes per second (default 128MB)")
+    growth.add_argument("--growth-budget", default="384MiB", help="cache capacity (default 384MiB)")
+    growth.add_argument("--growth-shard", default="16MiB", help="sampler shard size (default 16MiB)")
+    growth.add_argument("--growth-record", default="1MiB", help="record payload size (default 1MiB)")
+    growth.add_argument("--growth-samplers", type=int, default=2, help="sampler processes (default 2)")
+    growth.add_argument("--growth-step-ms", type=float, default=20,
+                        help="emulated model compute per batch, a sleep (default 20)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.total, args.shard_size, args.batch_bytes = "16MiB", "2MiB", "2MiB"
+        args.repeats, args.warmup_epochs = 1, 1
+        args.growth_seconds, args.growth_rate, args.growth_budget = 2, "16MB", "4MiB"
+        args.growth_shard, args.growth_record, args.growth_step_ms = "512KiB", "64KiB", 5
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+    return args
+
+
+# ---------------------------------------------------------------------------- shard sets
+def _set_key(label: str, record_bytes: int, total: int, shard: int) -> str:
+    return f"{label}-r{record_bytes}-t{total}-s{shard}-v{SET_FORMAT}"
+
+
+def build_shard_set(root: str, label: str, record_bytes: int, total: int, shard: int) -> dict:
+    """Write (or reuse) the shard set of one record size; return its description."""
+    set_dir = os.path.join(root, _set_key(label, record_bytes, total, shard))
+    marker = os.path.join(set_dir, "ready.json")
+    floats = record_bytes // 4
+    schema = growcache.Schema({"id": ("int64", ()), "x": ("float32", (floats,))})
+    per_shard = max(1, shard // record_bytes)
+    records = max(1, total // record_bytes)
+    reused = os.path.exists(marker)
+    if not reused:
+        shutil.rmtree(set_dir, ignore_errors=True)
+        cache = growcache.Cache(os.path.join(set_dir, "cache"), capacity=2 * total + (64 << 20), schema=schema)
+        start = time.perf_counter()
+        next_id = 0
+        for first in range(0, records, per_shard):
+            count = min(per_shard, records - first)
+            rng = np.random.default_rng(first)
+            block = rng.integers(0, 2**32, (count, floats), dtype=np.uint32).view(np.float32)
+            with cache.writer() as writer:
+                for row in block:
+                    writer.write({"id": np.int64(next_id), "x": row})
+                    next_id += 1
+        logger.info("wrote %s shard set: %d records in %.1f s", label, records, time.perf_counter() - start)
+    cache = growcache.Cache(os.path.join(set_dir, "cache"))
+    shards = cache.list_shards()
+    paths = [s.path for s in shards]
+    desc = {
+        "label": label, "record_bytes": record_bytes, "floats": floats, "dir": set_dir,
+        "cache": cache.path, "paths": paths, "records_per_path": [s.records for s in shards],
+        "index_paths": [os.path.join(set_dir, "index", f"{i:05d}.index") for i in range(len(paths))],
+        "tar_paths": [os.path.join(set_dir, "wds", f"{i:05d}.tar") for i in range(len(paths))],
+        "records": sum(s.records for s in shards), "file_bytes": sum(s.nbytes for s in shards),
+        "payload_bytes_per_record": schema.record_payload_bytes, "reused": reused,
+    }
+    if not reused:
+        os.makedirs(os.path.join(set_dir, "index"))
+        os.makedirs(os.path.join(set_dir, "wds"))
+    return desc
+
+
+def _write_marker(desc: dict) -> None:
+    with open(os.path.join(desc["dir"], "ready.json"), "w") as f:
+        json.dump({k: desc[k] for k in ("label", "record_bytes", "records", "file_bytes")}, f)
+
+
+# --------------------------------------------------------------------------- page cache
+def _resident_fraction(paths: list[str]) -> float | None:
+    """Fraction of the files' pages in the page cache (mincore), or None where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name or not hasattr(mmap, "PAGESIZE"):
+        return None
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = pages = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never written back
+            try:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+                n = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * n)()
+                if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
+                    return None
+                resident += sum(v & 1 for v in bytes(vec))
+                pages += n
+            finally:
+                mapped.close()
+    return resident / pages if pages else None
+
+
+def warm_page_cache(paths: list[str]) -> dict:
+    """One plain read of every file, before any timing; report residency before and after."""
+    before = _resident_fraction(paths)
+    buffer = bytearray(8 << 20)
+    start = time.perf_counter()
+    nbytes = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                nbytes += n
+    seconds = time.perf_counter() - start
+    after = _resident_fraction(paths)
+    return {"bytes": nbytes, "seconds": seconds, "resident_before": before, "resident_after": after,
+            "state": "warm" if after is None or after > 0.99 else f"partly cold ({after:.0%} resident)"}
+
+
+# ------------------------------------------------------------------------------ workers
+def _run_worker(spec: dict, scratch: str, timeout: float) -> dict:
+    """Run one worker process; return its result, or a failure record with stderr's tail."""
+    fd, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=scratch)
+    out_path = spec_path[:-5] + "-out.json"
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(spec, out=out_path), f)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, WORKER, spec_path], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"available": False, "failed": True, "reason": f"timed out after {timeout:.0f} s"}
+    finally:
+        elapsed = time.perf_counter() - start
+    try:
+        with open(out_path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = {"available": False, "failed": True,
+                  "reason": f"worker exited {proc.returncode} without a result: {proc.stderr[-2000:]}"}
+    finally:
+        for path in (spec_path, out_path):
+            if os.path.exists(path):
+                os.remove(path)
+    result["process_seconds"] = elapsed
+    if result.get("failed"):
+        logger.warning("%s failed: %s\n%s", spec.get("contender") or spec.get("mode"), result.get("reason"),
+                       result.get("traceback", proc.stderr[-2000:]))
+    return result
+
+
+# ------------------------------------------------------------------------------ figures
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(name: str, label: str, raw: dict, size: dict, plain_MBps: float | None) -> dict:
+    """The reported figures of one contender on one record size."""
+    runs = raw["runs"]
+    payload = size["payload_bytes_per_record"]
+    out: dict = {"note": raw["note"]}
+    if name == "plain_read":
+        delivered = [size["file_bytes"] for _ in runs]
+        unique = [r["records"] for r in runs]
+    else:
+        unique = [r["unique_records"] if r["unique_records"] is not None else r["records"] for r in runs]
+        delivered = [u * payload for u in unique]
+    walls = [r["wall_s"] for r in runs]
+    mbps = [d / w / 1e6 for d, w in zip(delivered, walls)]
+    out["MBps"] = _spread(mbps)
+    out["records_per_s"] = _spread([u / w for u, w in zip(unique, walls)])
+    out["vs_plain"] = out["MBps"]["median"] / plain_MBps if plain_MBps else None
+    out["train_cpu_s_per_GB"] = _spread([r["train_cpu_s"] / (d / 1e9) for r, d in zip(runs, delivered)])
+    out["workers_cpu_s_per_GB"] = _spread([r["workers_cpu_s"] / (d / 1e9) for r, d in zip(runs, delivered)])
+    out["first_batch_s"] = _spread([r["first_batch_s"] for r in runs])
+    out["first_batch_first_epoch_s"] = raw["warmup"][0]["first_batch_s"] if raw["warmup"] else None
+    out["peak_rss_train_MiB"] = raw["peak_rss_train"] / 2**20
+    out["peak_rss_workers_MiB"] = raw["peak_rss_workers_sum"] / 2**20
+    out["records_delivered"] = runs[-1]["records"]
+    out["records_expected"] = size["records"]
+    out["unique_records"] = runs[-1]["unique_records"]
+    out["duplicates"] = runs[-1]["duplicates"]
+    out["duplication"] = (runs[-1]["records"] / runs[-1]["unique_records"]) if runs[-1]["unique_records"] else None
+    out["complete"] = min(unique) == size["records"]
+    out["ids_in_range"] = runs[-1].get("ids_in_range")
+    return out
+
+
+def evaluate_targets(figures: dict) -> list[dict]:
+    """Each target of the adapter issues, measured, marked met or missed."""
+    targets = []
+
+    def mbps(label: str, name: str) -> float | None:
+        entry = figures.get(label, {}).get(name)
+        return entry["MBps"]["median"] if entry else None
+
+    for label in figures:
+        torch_best = max(TORCH_ADAPTERS, key=lambda n: mbps(label, n) or -1.0)
+        torch = mbps(label, torch_best)
+        tf_adapter, handwritten = mbps(label, "growcache_tf"), mbps(label, "tf_handwritten")
+        indexed, plain = mbps(label, "tfrecord_indexed"), mbps(label, "plain_read")
+
+        def add(name: str, what: str, measured: float | None, target: float, higher_is_better: bool = True,
+                unit: str = "x") -> None:
+            met = None if measured is None else (measured >= target if higher_is_better else measured <= target)
+            targets.append({"target": name, "records": label, "what": what, "measured": measured,
+                            "goal": f"{'>=' if higher_is_better else '<='} {target}{unit}", "met": met})
+
+        who = f"{torch_best} (the faster torch adapter)" if torch is not None else "torch adapter"
+        add("torch_vs_tf_adapter", f"{who} / growcache_tf",
+            torch / tf_adapter if torch and tf_adapter else None, TARGETS_MIN_RATIO["torch_vs_tf_adapter"])
+        add("torch_vs_tfrecord_indexed", f"{who} / tfrecord_indexed",
+            torch / indexed if torch and indexed else None, TARGETS_MIN_RATIO["torch_vs_tfrecord_indexed"])
+        if label in TARGET_VS_PLAIN:
+            add("torch_vs_plain", f"{who} / plain_read",
+                torch / plain if torch and plain else None, TARGET_VS_PLAIN[label])
+        if label in TARGET_CPU_S_PER_GB:
+            entry = figures.get(label, {}).get(torch_best)
+            add("torch_train_cpu", f"{who}: training-process CPU s/GB",
+                entry["train_cpu_s_per_GB"]["median"] if entry else None, TARGET_CPU_S_PER_GB[label],
+                higher_is_better=False, unit=" s/GB")
+        add("tf_vs_handwritten", "growcache_tf / tf_handwritten",
+            tf_adapter / handwritten if tf_adapter and handwritten else None, TARGETS_MIN_RATIO["tf_vs_handwritten"])
+    return targets
+
+
+# ------------------------------------------------------------------------------ reports
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def contender_table(results: dict) -> str:
+    lines = ["| records | contender | MB/s median (min-max) | records/s | × plain | train CPU s/GB | "
+             "worker CPU s/GB | peak RSS train / workers MiB | 1st batch: epoch 1 / later s | notes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for label, per in results["figures"].items():
+        for name in results["contenders"]:
+            raw = results["raw"].get(name, {})
+            title = CONTENDERS[name][0]
+            fig = per.get(name)
+            if fig is None:
+                lines.append(f"| {label} | {title} | — | — | — | — | — | — | — | unavailable: "
+                             f"{raw.get('reason', 'not run')[:160]} |")
+                continue
+            m = fig["MBps"]
+            notes = []
+            if fig["duplicates"]:
+                notes.append(f"**{fig['duplication']:.1f}× duplication**: {fig['records_delivered']} records "
+                             f"delivered, {fig['unique_records']} unique; MB/s counts unique")
+            elif fig["unique_records"] is not None and not fig["complete"]:
+                notes.append(f"incomplete: {fig['unique_records']} of {fig['records_expected']} records")
+            if name == "tf_raw_records":
+                notes.append("not parsed")
+            if CONTENDERS[name][1] == "tensorflow":
+                notes.append("train CPU includes TF's C++ threads")
+            lines.append(
+                f"| {label} | {title} | {m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f}) | "
+                f"{fig['records_per_s']['median']:.0f} | {_fmt(fig['vs_plain'], '.2f')} | "
+                f"{fig['train_cpu_s_per_GB']['median']:.3f} | {fig['workers_cpu_s_per_GB']['median']:.2f} | "
+                f"{fig['peak_rss_train_MiB']:.0f} / {fig['peak_rss_workers_MiB']:.0f} | "
+                f"{_fmt(fig['first_batch_first_epoch_s'], '.2f')} / {fig['first_batch_s']['median']:.3f} | "
+                f"{'; '.join(notes)} |")
+    return "\n".join(lines)
+
+
+def targets_table(targets: list[dict]) -> str:
+    lines = ["| target | records | measured | goal | |", "|---|---|---:|---:|---|"]
+    for t in targets:
+        state = "n/a (contender unavailable)" if t["met"] is None else ("met" if t["met"] else "**missed**")
+        unit = " s/GB" if "s/GB" in t["goal"] else "x"
+        lines.append(f"| {t['what']} | {t['records']} | {_fmt(t['measured'], '.3f')}{unit if t['measured'] is not None else ''} "
+                     f"| {t['goal']} | {state} |")
+    return "\n".join(lines)
+
+
+def growth_table(results: dict) -> str:
+    lines = []
+    for adapter, run in results.get("growth", {}).items():
+        if not run.get("available"):
+            lines.append(f"**{adapter}**: unavailable: {run.get('reason')}\n")
+            continue
+        lines.append(f"**{adapter}** (first shard after {run['first_shard_s']:.2f} s)\n")
+        lines.append("| epoch | start s | shards in snapshot | new | evicted | records | MB/s | read MB/s "
+                     "| 1st batch s | sampler MB/s | cache MiB at end |")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for e in run["epochs"]:
+            lines.append(f"| {e['epoch']} | {e['t_start']:.1f} | {e['snapshot_shards']} | {e['new_shards']} | "
+                         f"{e['evicted_shards']} | {e['records']} | {e['MBps']:.0f} | {e['read_MBps']:.0f} | "
+                         f"{e['first_batch_s']:.3f} | {e['sampler_MBps']:.0f} | {e['cache_bytes_end'] / 2**20:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, directory: str) -> list[str]:
+    """PNG plots: MB/s per contender with the plain read as a line; growth over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    labels = list(results["figures"])
+    fig, axes = plt.subplots(1, len(labels), figsize=(6.5 * len(labels), 4.8), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        per = results["figures"][label]
+        names = [n for n in results["contenders"] if n in per and n != "plain_read"]
+        med = [per[n]["MBps"]["median"] for n in names]
+        err = [[m - per[n]["MBps"]["min"] for n, m in zip(names, med)],
+               [per[n]["MBps"]["max"] - m for n, m in zip(names, med)]]
+        colors = ["tab:green" if n.startswith("growcache") else "tab:gray" for n in names]
+        ax.barh(range(len(names)), med, xerr=err, color=colors, capsize=3)
+        ax.set_yticks(range(len(names)), [CONTENDERS[n][0] for n in names], fontsize=8)
+        ax.invert_yaxis()
+        if "plain_read" in per:
+            limit = per["plain_read"]["MBps"]["median"]
+            ax.axvline(limit, color="tab:red", linestyle="--", label=f"plain read {limit:.0f} MB/s")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlabel("payload MB/s of unique records (median, min-max)")
+        ax.set_title(f"{label} records")
+    fig.suptitle(f"Read throughput, {results['machine']['cpus']} cores, page cache "
+                 f"{results['page_cache']['state']}", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(directory, "throughput.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    growth = {k: v for k, v in results.get("growth", {}).items() if v.get("available")}
+    if growth:
+        fig, axes = plt.subplots(2, len(growth), figsize=(6.5 * len(growth), 6), squeeze=False, sharex="col")
+        for col, (adapter, run) in enumerate(growth.items()):
+            top, bottom = axes[0][col], axes[1][col]
+            for e in run["epochs"]:
+                top.hlines(e["MBps"], e["t_start"], e["t_end"], color="tab:green")
+                top.hlines(e["sampler_MBps"], e["t_start"], e["t_end"], color="tab:orange")
+            top.plot([], [], color="tab:green", label="training MB/s (per epoch)")
+            top.plot([], [], color="tab:orange", label="sampler MB/s (per epoch)")
+            top.set_ylabel("MB/s")
+            top.set_title(f"{adapter}: growth under a {run['budget'] / 2**20:.0f} MiB budget")
+            top.legend(fontsize=8)
+            t = [p["t"] for p in run["timeline"]]
+            bottom.plot(t, [p["cache_bytes"] / 2**20 for p in run["timeline"]], label="cache MiB")
+            bottom.step([e["t_start"] for e in run["epochs"]],
+                        [e["snapshot_records"] * run["payload_bytes_per_record"] / 2**20 for e in run["epochs"]],
+                        where="post", label="epoch snapshot MiB")
+            bottom.axhline(run["budget"] / 2**20, color="tab:red", linestyle="--", label="budget")
+            bottom.set_xlabel("seconds")
+            bottom.set_ylabel("MiB")
+            bottom.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(directory, "growth.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                                     platform.processor())
+    except OSError:
+        info["cpu_model"] = platform.processor()
+    try:
+        info["memory_GiB"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        pass
+    versions = {"growcache": growcache.__version__, "numpy": np.__version__}
+    for dist in ("tensorflow", "tensorflow-cpu", "torch", "tfrecord", "webdataset", "matplotlib", "psutil"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    info["versions"] = versions
+    return info
+
+
+DOC_BEGIN = "<!-- throughput:begin (generated by benchmarks/throughput.py --update-docs) -->"
+DOC_END = "<!-- throughput:end -->"
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    pc = results["page_cache"]
+    data = ", ".join(f"{d['label']}: {d['records']} records in {len(d['paths'])} shards, "
+                     f"{d['file_bytes'] / 2**30:.2f} GiB" for d in results["sets"].values())
+    lines = [
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {m['cpus']} cores ({m.get('cpu_model', '?')}), {m.get('memory_GiB', 0):.0f} GiB memory, "
+        f"{m['platform']}, Python {m['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
+        "",
+        f"Data: {data}. "
+        f"Page cache: **{pc['state']}** (one plain read of all {pc['bytes'] / 2**30:.1f} GiB before timing; "
+        f"resident after it: {_fmt(pc['resident_after'] and pc['resident_after'] * 100, '.0f')}%). "
+        f"Each contender: {results['args']['warmup_epochs']} warm-up epoch, then the median of "
+        f"{results['args']['repeats']} epochs (min-max), batches of {results['args']['batch_bytes']} payload.",
+        "",
+        "### Throughput",
+        "",
+        contender_table(results),
+        "",
+        "### Targets",
+        "",
+        targets_table(results["targets"]),
+        "",
+    ]
+    if results.get("growth"):
+        g = results["args"]
+        lines += ["### Growth scenario", "",
+                  f"{g['growth_samplers']} samplers write {g['growth_record']} records at {g['growth_rate']}/s in "
+                  f"{g['growth_shard']} shards into a {g['growth_budget']} cache while each adapter trains for "
+                  f"{g['growth_seconds']:.0f} s, sleeping {g['growth_step_ms']:.0f} ms per batch as a model's compute. "
+                  "MB/s counts the sleep; read MB/s leaves it out.", "", growth_table(results)]
+    return "\n".join(lines)
+
+
+def update_docs(results: dict, docs_dir: str) -> None:
+    img = os.path.join(docs_dir, "img")
+    plot(results, img)
+    block = [DOC_BEGIN, "", markdown(results), "", "![Throughput per contender](img/throughput.png)", ""]
+    if any(v.get("available") for v in results.get("growth", {}).values()):
+        block += ["![Growth scenario](img/growth.png)", ""]
+    block.append(DOC_END)
+    path = os.path.join(docs_dir, "benchmarks.md")
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n" + DOC_BEGIN + "\n" + DOC_END + "\n"
+    if DOC_BEGIN in text and DOC_END in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        tail = rest.split(DOC_END, 1)[1]
+        text = head + "\n".join(block) + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+# --------------------------------------------------------------------------------- main
+def main(args: argparse.Namespace) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    names = [n for n in CONTENDERS if n in args.contenders.split(",")]
+    root = args.dir or tempfile.mkdtemp(prefix="growcache-throughput-")
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="run-", dir=root)
+    total = growcache.parse_size(args.total)
+    shard = growcache.parse_size(args.shard_size)
+    batch_bytes = growcache.parse_size(args.batch_bytes)
+    started = time.perf_counter()
+    results: dict = {"machine": machine(), "args": vars(args), "contenders": names,
+                     "command": "python benchmarks/throughput.py " + " ".join(
+                         shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])),
+                     "raw": {}, "figures": {}, "growth": {}}
+    try:
+        sets = {}
+        for label in args.sizes.split(","):
+            record_bytes = growcache.parse_size(label)
+            desc = build_shard_set(root, label, record_bytes, total, shard)
+            desc["batch_size"] = max(1, batch_bytes // record_bytes)
+            sets[label] = desc
+        todo = [d for d in sets.values() if not d["reused"]]
+        if todo:
+            logger.info("writing index files and WebDataset tars")
+            prep = _run_worker({"mode": "prepare", "sizes": todo}, scratch, args.timeout * 2)
+            if prep.get("failed"):
+                raise RuntimeError(f"preparing the shard sets failed: {prep['reason']}")
+            for desc in todo:
+                _write_marker(desc)
+        results["sets"] = {k: {kk: vv for kk, vv in v.items()} for k, v in sets.items()}
+        all_files = [p for d in sets.values() for p in d["paths"] + d["index_paths"] + d["tar_paths"]]
+        results["page_cache"] = warm_page_cache(all_files)
+        logger.info("page cache: %s", results["page_cache"]["state"])
+
+        options = {"tf_adapter_kwargs": {}, "torch_adapter_kwargs": {}}
+        for name in names:
+            logger.info("running %s", name)
+            spec = {"mode": "contender", "contender": name, "sizes": list(sets.values()),
+                    "epochs": args.repeats, "warmup_epochs": args.warmup_epochs, "options": options}
+            raw = _run_worker(spec, scratch, args.timeout)
+            results["raw"][name] = raw
+            if not raw.get("available"):
+                logger.warning("%s unavailable: %s", name, raw.get("reason"))
+        for label, desc in sets.items():
+            plain = results["raw"].get("plain_read", {})
+            plain_MBps = None
+            per: dict = {}
+            if plain.get("available"):
+                per["plain_read"] = summarize("plain_read", label, plain["sizes"][label], desc, None)
+                plain_MBps = per["plain_read"]["MBps"]["median"]
+                per["plain_read"]["vs_plain"] = 1.0
+            for name in names:
+                raw = results["raw"][name]
+                if name != "plain_read" and raw.get("available"):
+                    per[name] = summarize(name, label, raw["sizes"][label], desc, plain_MBps)
+            results["figures"][label] = per
+        results["targets"] = evaluate_targets(results["figures"])
+
+        if args.growth:
+            for adapter in ("tf", "torch"):
+                logger.info("growth scenario: %s", adapter)
+                gdir = tempfile.mkdtemp(prefix=f"growth-{adapter}-", dir=scratch)
+                record = growcache.parse_size(args.growth_record)
+                spec = {"mode": "growth", "adapter": adapter, "dir": gdir, "record_bytes": record,
+                        "batch_size": max(1, batch_bytes // record), "budget": growcache.parse_size(args.growth_budget),
+                        "shard_size": growcache.parse_size(args.growth_shard),
+                        "rate": growcache.parse_size(args.growth_rate), "workers": args.growth_samplers,
+                        "seconds": args.growth_seconds, "min_epochs": 3, "max_epochs": 1000,
+                        "step_ms": args.growth_step_ms, "loader_workers": 2,
+                        "tf_adapter_kwargs": options["tf_adapter_kwargs"],
+                        "torch_adapter_kwargs": options["torch_adapter_kwargs"]}
+                results["growth"][adapter] = _run_worker(spec, scratch, args.timeout + args.growth_seconds)
+                shutil.rmtree(gdir, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    results["seconds"] = time.perf_counter() - started
+    results["table"] = contender_table(results)
+    results["markdown"] = markdown(results)
+    if args.plots:
+        results["plots"] = plot(results, args.plots)
+    if args.update_docs:
+        update_docs(results, os.path.join(REPO, "docs"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    sys.stdout.write(results["markdown"] + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main(parse_args())
