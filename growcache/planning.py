@@ -1,0 +1,227 @@
+"""Epoch planning: which reader reads which whole shards, and how many records it yields.
+
+A pure function of its inputs, so every rank and every worker computes the same plan
+from the same snapshot without talking to each other, and tests need no processes.
+
+A *reader* is one ``(rank, worker)`` pair; there are ``world_size * num_workers`` of them
+(``num_workers=0`` counts as one reader per rank, the training process itself). Reader
+``rank * workers + worker`` belongs to ``rank``.
+
+The plan:
+
+1. Shuffles the snapshot's shards by ``(seed, epoch)``; every rank draws the same order.
+2. Splits them as whole shards over all readers, balanced by record count (greedy:
+   largest shard first to the reader with the fewest records). Whole shards keep reads
+   sequential and make "exactly once" trivial to prove: each shard has one reader.
+3. With ``even_batches=True`` and more than one rank, sets each reader's *quota* (the
+   records it yields) so that every rank yields the same number of batches, because a
+   DDP rank that runs out of batches first leaves the others blocked in an all-reduce.
+   Batches are formed inside each reader, so a rank's batch count is the sum of its
+   readers' counts. The choice follows ``drop_last``, as ``DistributedSampler`` does:
+
+   * ``drop_last=False`` (**top up**): every rank yields as many batches as the rank
+     with the most. A short rank re-reads records from the start of *its own* shards
+     (cycling), so ranks stay disjoint; only those top-up records repeat, and only when
+     ranks hold unequal record counts. If a rank got no shard at all (fewer shards than
+     ranks), it tops up from the whole snapshot and then records do repeat across ranks.
+   * ``drop_last=True`` (**drop**): every rank yields as many full batches as the rank
+     with the fewest; the rest of the other ranks' records are not read this epoch
+     (the newest shards come back in later epochs, in another order).
+
+   With one rank, or ``even_batches=False``, every reader yields all its records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EpochPlan", "plan_epoch", "shuffle_seed"]
+
+
+def shuffle_seed(seed: int, epoch: int) -> np.random.Generator:
+    """The generator every rank uses to order epoch ``epoch``'s shards."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch) & 0xFFFFFFFFFFFFFFFF, 0x6763])
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What every reader of one epoch reads.
+
+    Attributes:
+        epoch: the epoch number.
+        world_size: ranks.
+        workers: readers per rank (``max(num_workers, 1)``).
+        batch_size: records per batch.
+        drop_last: whether a reader's final partial batch is dropped.
+        shards: per reader, indices into the snapshot's shard list, in reading order.
+            ``np.int64`` arrays (they cross into worker processes as arrays).
+        quotas: per reader, records it yields. Below its shards' total it stops early
+            (drop); above, it cycles through its shards again (top up).
+        cycle: per reader, shard indices to cycle through for a top up (its own shards,
+            or all shards when it has none).
+    """
+
+    epoch: int
+    world_size: int
+    workers: int
+    batch_size: int
+    drop_last: bool
+    shards: tuple[np.ndarray, ...]
+    quotas: np.ndarray
+    cycle: tuple[np.ndarray, ...]
+
+    def reader(self, rank: int, worker: int) -> int:
+        """Index of the reader that is ``worker`` of ``rank``."""
+        return rank * self.workers + worker
+
+    def batches(self, reader: int) -> int:
+        """Batches reader ``reader`` yields."""
+        return _batches(int(self.quotas[reader]), self.batch_size, self.drop_last)
+
+    def rank_batches(self, rank: int) -> int:
+        """Batches rank ``rank`` yields over all its readers."""
+        return sum(self.batches(self.reader(rank, w)) for w in range(self.workers))
+
+    def rank_records(self, rank: int) -> int:
+        """Records rank ``rank`` yields (top-up records included)."""
+        return int(sum(self.quotas[self.reader(rank, w)] for w in range(self.workers)))
+
+
+def _batches(records: int, batch_size: int, drop_last: bool) -> int:
+    return records // batch_size if drop_last else -(-records // batch_size)
+
+
+def plan_epoch(
+    shard_records: Sequence[int] | np.ndarray,
+    *,
+    epoch: int,
+    seed: int,
+    world_size: int = 1,
+    num_workers: int = 0,
+    batch_size: int = 1,
+    drop_last: bool = False,
+    even_batches: bool = True,
+) -> EpochPlan:
+    """Plan one epoch for every reader of every rank.
+
+    Args:
+        shard_records: records of each snapshot shard, in snapshot order.
+        epoch: epoch number; with ``seed`` it fixes the shard order.
+        seed: shuffle seed, the same on every rank.
+        world_size: number of ranks. Default: ``1``.
+        num_workers: loader workers per rank; ``0`` reads in the training process.
+            Default: ``0``.
+        batch_size: records per batch. Default: ``1``.
+        drop_last: drop each reader's final partial batch; with ``even_batches`` it also
+            selects "drop" over "top up" (see the module docstring). Default: ``False``.
+        even_batches: make every rank yield the same number of batches. Default: ``True``.
+
+    Returns:
+        The :class:`EpochPlan`.
+
+    Raises:
+        ValueError: a negative record count, or a non-positive size.
+    """
+    records = np.asarray(shard_records, dtype=np.int64).reshape(-1)
+    if world_size < 1 or num_workers < 0 or batch_size < 1:
+        raise ValueError(
+            f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1, num_workers ({num_workers}) >= 0"
+        )
+    if records.size and records.min() < 0:
+        raise ValueError("shard record counts must be >= 0")
+    workers = max(num_workers, 1)
+    n_readers = world_size * workers
+
+    order = shuffle_seed(seed, epoch).permutation(records.size)
+    # Greedy longest-first balancing. The stable sort keeps the shuffled order among equal
+    # sizes, so equal shards land on readers in a different order every epoch.
+    by_size = order[np.argsort(-records[order], kind="stable")]
+    load = np.zeros(n_readers, dtype=np.int64)
+    owner = np.empty(records.size, dtype=np.int64)
+    # Readers are filled rank-major by load; ties go to the lowest (rank, worker) index
+    # within the least-loaded *rank*, so ranks balance first, then workers within a rank.
+    for shard in by_size:
+        rank_load = load.reshape(world_size, workers).sum(axis=1)
+        rank = int(np.argmin(rank_load))
+        worker = int(np.argmin(load[rank * workers:(rank + 1) * workers]))
+        reader = rank * workers + worker
+        owner[shard] = reader
+        load[reader] += records[shard]
+    # Each reader reads its shards in the epoch's shuffled order (not by size).
+    position = np.empty(records.size, dtype=np.int64)
+    position[order] = np.arange(records.size)
+    shards = []
+    for reader in range(n_readers):
+        mine = np.flatnonzero(owner == reader)
+        shards.append(mine[np.argsort(position[mine], kind="stable")].astype(np.int64))
+
+    quotas = load.copy()
+    cycle = list(shards)
+    if even_batches and world_size > 1:
+        quotas, cycle = _even_out(shards, quotas, world_size, workers, batch_size, drop_last, order, records)
+    return EpochPlan(
+        epoch=int(epoch),
+        world_size=int(world_size),
+        workers=workers,
+        batch_size=int(batch_size),
+        drop_last=bool(drop_last),
+        shards=tuple(shards),
+        quotas=np.asarray(quotas, dtype=np.int64),
+        cycle=tuple(np.asarray(c, dtype=np.int64) for c in cycle),
+    )
+
+
+def _even_out(
+    shards: list[np.ndarray],
+    load: np.ndarray,
+    world_size: int,
+    workers: int,
+    batch_size: int,
+    drop_last: bool,
+    order: np.ndarray,
+    records: np.ndarray,
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Quotas that give every rank the same batch count (see the module docstring)."""
+    quotas = load.copy()
+    cycle = list(shards)
+    per_rank = [
+        sum(_batches(int(load[r * workers + w]), batch_size, drop_last) for w in range(workers))
+        for r in range(world_size)
+    ]
+    if drop_last:
+        target = min(per_rank)
+        for rank in range(world_size):
+            readers = range(rank * workers, (rank + 1) * workers)
+            counts = {i: int(load[i]) // batch_size for i in readers}
+            excess = per_rank[rank] - target
+            # Take whole batches away from the readers with the most, one at a time.
+            while excess > 0:
+                i = max(counts, key=lambda k: (counts[k], -k))
+                counts[i] -= 1
+                excess -= 1
+            for i in readers:
+                quotas[i] = counts[i] * batch_size
+        return quotas, cycle
+
+    target = max(per_rank)
+    for rank in range(world_size):
+        readers = list(range(rank * workers, (rank + 1) * workers))
+        rank_shards = np.concatenate([shards[i] for i in readers]) if readers else np.empty(0, np.int64)
+        for i in readers:
+            if records[shards[i]].sum() == 0:
+                # A reader without shards tops up from its rank's shards, or from the whole
+                # snapshot (in epoch order) if the rank has none.
+                cycle[i] = rank_shards if records[rank_shards].sum() else order.astype(np.int64)
+        missing = target - per_rank[rank]
+        k = 0
+        while missing > 0:
+            # ceil((q + B) / B) == ceil(q / B) + 1: one more batch per step, and the fewest
+            # repeated records (a partial batch stays partial).
+            i = readers[k % len(readers)]
+            quotas[i] += batch_size
+            missing -= 1
+            k += 1
+    return quotas, cycle

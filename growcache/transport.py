@@ -1,0 +1,348 @@
+"""Shared-memory batch transport: reusable slabs, zero-copy views, a safe release protocol.
+
+Passing a batch between processes the ordinary way (a new shared-memory segment per
+batch, or a pickle) costs an allocation, page faults and a file-descriptor pass per batch,
+which caps a 2-core machine far below its memory bandwidth. Here each reader process
+owns one :class:`Slab`, created and pre-faulted once, split into a ring of fixed-size
+*slots*; a batch is written into a free slot and only a tiny :class:`SlotHandle` crosses
+the process boundary. Framework-neutral (numpy and ``multiprocessing.shared_memory``), so
+any adapter can use it: the consumer turns the handle into numpy views with
+:meth:`Slab.open` and wraps them in its framework's zero-copy constructor.
+
+Release protocol
+----------------
+Each slot has one 64-bit state word in the slab's header page: ``0`` = free, otherwise
+the *token* of the batch in it. Only two transitions exist, and each has one writer:
+
+* the producer, in :meth:`Slab.acquire`, turns a free slot into ``token`` (tokens are
+  unique per slab: ``generation << 32 | counter``, with a fresh generation per epoch);
+* the consumer turns ``token`` back into ``0`` when the batch is released, and only if
+  the word still holds *its* token (a stale release cannot free a reused slot).
+
+The consumer's arrays are views whose base is a :class:`_SlotLease` object; the slot is
+released when the last view of the batch (and any tensor built on one) is garbage
+collected, so a slot is never overwritten while the consumer still holds data on it.
+``copy=True`` instead copies the batch out at memcpy speed and releases at once.
+
+A consumer that *keeps* batches (appends them to a list) would starve the producer, so
+:meth:`Slab.acquire` never blocks for long: with every slot held it returns ``None`` and
+the producer sends that batch by ordinary means (slower, never a deadlock). A ring of
+``prefetch + 2`` slots suffices for the usual ``for batch in loader`` loop: ``prefetch``
+batches in flight, one in the consumer's hands and one spare while the loop variable is
+rebound.
+
+Batches that were sent but never opened (an epoch abandoned mid-way, whose in-flight
+batches the loader discards) leave their slots marked. At the next epoch the consumer
+sends :meth:`Slab.held_tokens` (the batches it really holds) and the producer frees every
+other slot with :meth:`Slab.reclaim` before producing.
+
+Cleanup
+-------
+``anonymous=True`` (for ``fork``-started readers) maps ``MAP_SHARED | MAP_ANONYMOUS``
+memory: it has no name, so nothing can leak whoever is killed; the kernel frees it with
+the last mapping. Named slabs (for ``spawn``/``forkserver`` readers) are created by the
+consumer process with :class:`multiprocessing.shared_memory.SharedMemory`, so a reader
+killed by SIGKILL leaks nothing (it owns no name); the consumer unlinks them in
+:meth:`Slab.unlink` (called by its owner's finalizer), and Python's resource tracker
+unlinks them if the consumer itself is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["BatchLayout", "Slab", "SlotHandle"]
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_ALIGN = 64  # cache line: every feature's array starts aligned
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each feature of a batch of ``batch_size`` records lies inside one slot.
+
+    Args:
+        features: ``(name, dtype, shape)`` per feature (the per-record shape).
+        batch_size: records per batch.
+
+    Attributes:
+        offsets: ``{name: byte offset in the slot}``.
+        slot_nbytes: bytes of one slot, a multiple of the page size.
+    """
+
+    features: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
+    batch_size: int
+    offsets: Mapping[str, int]
+    slot_nbytes: int
+
+    @classmethod
+    def build(cls, features: Iterable[tuple[str, Any, tuple[int, ...]]], batch_size: int) -> BatchLayout:
+        """Lay ``features`` out one after another, each aligned to a cache line."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        feats = tuple((name, np.dtype(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in features)
+        offsets: dict[str, int] = {}
+        pos = 0
+        for name, dtype, shape in feats:
+            offsets[name] = pos
+            pos = _round_up(pos + batch_size * dtype.itemsize * int(np.prod(shape, dtype=np.int64)), _ALIGN)
+        return cls(feats, int(batch_size), offsets, max(_round_up(pos, PAGE), PAGE))
+
+    @classmethod
+    def from_schema(cls, schema: Any, batch_size: int) -> BatchLayout:
+        """Layout for a :class:`growcache.schema.Schema` (duck-typed: name -> spec)."""
+        return cls.build(((name, spec.dtype, spec.shape) for name, spec in schema.items()), batch_size)
+
+    def arrays(self, buffer: np.ndarray, records: int) -> dict[str, np.ndarray]:
+        """Views of the first ``records`` rows of each feature inside one slot's bytes."""
+        out = {}
+        for name, dtype, shape in self.features:
+            start = self.offsets[name]
+            count = records * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            out[name] = buffer[start:start + count].view(dtype).reshape((records, *shape))
+        return out
+
+
+class SlotHandle(NamedTuple):
+    """What crosses the process boundary for one batch: a few integers."""
+
+    slab: int  # which slab (reader) the batch is in
+    slot: int
+    token: int
+    records: int
+
+
+class _SlotLease:
+    """Base object of a batch's consumer-side arrays; frees the slot when collected.
+
+    numpy keeps the first non-array base of every view, so every array (and every tensor
+    made from one with a zero-copy constructor) keeps this object alive.
+    """
+
+    __slots__ = ("__array_interface__", "_slab", "_slot", "_token", "__weakref__")
+
+    def __init__(self, slab: Slab, slot: int, token: int, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {
+            "data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3,
+        }
+        self._slab = slab  # keeps the mapping alive as long as any view of the batch
+        self._slot = slot
+        self._token = token
+
+    def __del__(self) -> None:
+        self._slab._release(self._slot, self._token)
+
+
+class Slab:
+    """One reader's ring of batch slots in one shared-memory region.
+
+    Create it in the consumer process, before the reader starts; the reader gets it by
+    ``fork`` (``anonymous=True``) or by pickle (named, which attaches by name).
+
+    Args:
+        layout: the batch layout every slot holds.
+        slots: slots in the ring. Default: ``4``.
+        anonymous: use nameless ``MAP_SHARED`` memory, which only ``fork`` can share but
+            which can never leak. Default: ``True``.
+        index: the slab's number, carried in its handles. Default: ``0``.
+    """
+
+    def __init__(self, layout: BatchLayout, slots: int = 4, *, anonymous: bool = True, index: int = 0) -> None:
+        if slots < 1:
+            raise ValueError(f"a slab needs at least one slot, got {slots}")
+        self.layout = layout
+        self.slots = int(slots)
+        self.index = int(index)
+        self.anonymous = anonymous
+        self.header_nbytes = _round_up(8 * self.slots, PAGE)
+        self.nbytes = self.header_nbytes + self.slots * layout.slot_nbytes
+        self._owner_pid = os.getpid()
+        self._shm: shared_memory.SharedMemory | None = None
+        self._unlinked = False
+        if anonymous:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
+            self._map: Any = mmap.mmap(-1, self.nbytes, flags=flags)
+            self.name = None
+        else:
+            self._shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
+            self._map = self._shm.buf
+            self.name = self._shm.name
+        self._attach()
+        self.prefault()
+        self._counter = 0
+        self._generation = 0
+        self._live: dict[int, int] = {}  # consumer side: slot -> token of batches handed out
+
+    def _attach(self) -> None:
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._state = self._bytes[:8 * self.slots].view(np.int64)
+        self._address = self._bytes.ctypes.data
+        self._prefaulted_in = -1
+
+    # -- pickling (named slabs only) ------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        if self.anonymous:
+            raise TypeError(
+                "an anonymous Slab can only reach another process by fork; "
+                "create it with anonymous=False for spawn or forkserver readers"
+            )
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_bytes", "_state", "_shm", "_live")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._live = {}
+        # Attach without SharedMemory: in Python < 3.13 attaching registers the segment with
+        # the resource tracker, which would unlink it when this reader exits.
+        fd = _shm_open(self.name)
+        try:
+            self._map = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self._shm = None
+        self._attach()
+
+    # -- both sides -----------------------------------------------------------------------
+    def prefault(self) -> None:
+        """Touch every slot page once in this process, so no batch ever page-faults.
+
+        Idempotent per process. A forked reader inherits the mapping but not its page
+        table entries, so each reader calls this once when it starts.
+        """
+        if self._prefaulted_in == os.getpid():
+            return
+        body = self._bytes[self.header_nbytes:]
+        body[::PAGE] = 0  # slot contents are scratch: writing zeros is harmless
+        self._prefaulted_in = os.getpid()
+
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """The raw bytes of ``slot``."""
+        start = self.header_nbytes + slot * self.layout.slot_nbytes
+        return self._bytes[start:start + self.layout.slot_nbytes]
+
+    # -- producer side --------------------------------------------------------------------
+    def start_generation(self, generation: int, held: Iterable[tuple[int, int]] = ()) -> None:
+        """Begin an epoch: free every slot the consumer does not hold (see :meth:`reclaim`)."""
+        self._generation = int(generation) & 0x7FFFFFFF
+        self._counter = 0
+        self.reclaim(held)
+
+    def reclaim(self, held: Iterable[tuple[int, int]]) -> int:
+        """Free every marked slot not in ``held`` (``(slot, token)`` pairs); return how many.
+
+        Only call this while no batch of this slab is in flight, i.e. at an epoch start.
+        """
+        keep = {int(s): int(t) for s, t in held}
+        freed = 0
+        for slot in range(self.slots):
+            token = int(self._state[slot])
+            if token and keep.get(slot) != token:
+                self._state[slot] = 0
+                freed += 1
+        return freed
+
+    def acquire(self, records: int, timeout: float = 0.0) -> tuple[SlotHandle, dict[str, np.ndarray]] | None:
+        """Claim a free slot for a batch of ``records`` rows.
+
+        Args:
+            records: rows in the batch (at most ``layout.batch_size``).
+            timeout: seconds to wait for a slot. Default: ``0.0``.
+
+        Returns:
+            ``(handle, arrays to fill)``, or ``None`` when every slot is held: send that
+            batch another way rather than wait on a consumer that may never let go.
+        """
+        if records > self.layout.batch_size:
+            raise ValueError(f"{records} records do not fit a slot of {self.layout.batch_size}")
+        deadline = None
+        while True:
+            free = np.flatnonzero(self._state == 0)
+            if free.size:
+                slot = int(free[0])
+                self._counter += 1
+                token = (self._generation << 32) | (self._counter & 0xFFFFFFFF)
+                self._state[slot] = token
+                handle = SlotHandle(self.index, slot, token, int(records))
+                return handle, self.layout.arrays(self.slot_bytes(slot), records)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout
+            if now >= deadline:
+                return None
+            time.sleep(0.0002)
+
+    # -- consumer side --------------------------------------------------------------------
+    def open(self, handle: SlotHandle, *, copy: bool = False) -> dict[str, np.ndarray]:
+        """The batch of ``handle`` as numpy arrays.
+
+        Args:
+            handle: from the producer's :meth:`acquire`.
+            copy: copy the batch out and free the slot now. Default: ``False``: zero-copy
+                views that free the slot when the last of them is garbage collected.
+        """
+        if int(self._state[handle.slot]) != handle.token:
+            raise RuntimeError(
+                f"slab {self.index} slot {handle.slot} no longer holds batch {handle.token:#x}: "
+                "a batch handle was opened twice or after its epoch ended"
+            )
+        start = self.header_nbytes + handle.slot * self.layout.slot_nbytes
+        if copy:
+            arrays = {k: v.copy() for k, v in self.layout.arrays(self.slot_bytes(handle.slot), handle.records).items()}
+            self._release(handle.slot, handle.token)
+            return arrays
+        self._live[handle.slot] = handle.token
+        lease = _SlotLease(self, handle.slot, handle.token, self._address + start, self.layout.slot_nbytes)
+        return self.layout.arrays(np.asarray(lease), handle.records)
+
+    def held_tokens(self) -> list[tuple[int, int]]:
+        """``(slot, token)`` of the batches this consumer still holds views of."""
+        return list(self._live.items())
+
+    def _release(self, slot: int, token: int) -> None:
+        # Compare-then-clear: the producer never writes a marked slot, so no lock is needed.
+        if self._live.get(slot) == token:
+            del self._live[slot]
+        if int(self._state[slot]) == token:
+            self._state[slot] = 0
+
+    def unlink(self) -> None:
+        """Remove a named slab's name (the memory lives on while mapped); idempotent."""
+        if self._shm is not None and not self._unlinked and os.getpid() == self._owner_pid:
+            self._unlinked = True
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __del__(self) -> None:
+        # No lease is alive (each holds the slab), so no view of the memory is either:
+        # drop our own arrays before closing, or SharedMemory.close() sees exported buffers.
+        try:
+            self.unlink()
+            self._state = self._bytes = self._map = None
+            if self._shm is not None:
+                self._shm.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
+            pass
+
+
+def _shm_open(name: str) -> int:
+    """Open an existing POSIX shared-memory segment by name; return its fd."""
+    import _posixshmem  # the module multiprocessing.shared_memory itself uses
+
+    return _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
