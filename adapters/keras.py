@@ -1,0 +1,135 @@
+"""``fit_growing``: Keras ``fit`` in which every epoch trains on its whole, grown snapshot.
+
+Keras 3 (TensorFlow backend) learns an epoch's length from the first pass over a dataset
+of unknown cardinality and stops every later epoch at that step count
+(tensorflow#41571, keras#15708). A growcache dataset grows between epochs, so plain
+``model.fit(ds, epochs=N)`` trains later epochs on a truncated prefix.
+
+``fit_growing`` runs one ``model.fit`` per epoch, so each epoch gets a fresh epoch iterator
+that reads to the end of its snapshot, and it drives the callbacks itself around those
+calls so that they see one training run: ``on_train_begin``/``on_train_end`` once, one
+``History`` across all epochs, epoch numbers that continue from ``initial_epoch``, and
+``model.stop_training`` (``EarlyStopping``) honoured between epochs.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+__all__ = ["fit_growing"]
+
+logger = logging.getLogger(__name__)
+
+# Keras warns at the end of every epoch of unknown length; here that end is expected.
+_RAN_OUT = r"Your input ran out of data"
+_NOT_PER_EPOCH = ("epochs", "initial_epoch", "callbacks", "verbose", "x", "y")
+
+
+class _RunCallbacks(keras.callbacks.CallbackList):
+    """The callbacks of one training run that spans several ``fit`` calls.
+
+    ``fit`` calls ``on_train_begin``/``on_train_end`` on every call; here they fire only
+    when :func:`fit_growing` starts and ends the run, so callbacks keep their state
+    (``EarlyStopping``'s patience, ``History``, ``TensorBoard``'s writers) across epochs.
+    """
+
+    _run_open = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self._run_open:
+            self._run_open = True
+            super().on_train_begin(logs)
+
+    def end_run(self, logs: dict | None = None) -> None:
+        """End the run: the real ``on_train_end``."""
+        if self._run_open:
+            self._run_open = False
+            super().on_train_end(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        pass
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # ProgbarLogger keeps the previous epoch's step count as this epoch's length.
+        if self._progbar is not None:
+            self._progbar.target = None
+        super().on_epoch_begin(epoch, logs)
+
+
+def fit_growing(
+    model: keras.Model,
+    dataset: tf.data.Dataset | Callable[[int], tf.data.Dataset],
+    *,
+    epochs: int = 1,
+    initial_epoch: int = 0,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    verbose: str | int = "auto",
+    **fit_kwargs: Any,
+) -> keras.callbacks.History:
+    """Train ``model`` like ``model.fit(dataset, epochs=...)``, each epoch on the whole grown cache.
+
+    Use it in place of ``model.fit`` for datasets from :func:`growcache.make_tf_dataset`
+    (or any dataset whose length changes between epochs). Callbacks behave as in one
+    ``fit`` call: ``ModelCheckpoint``, ``EarlyStopping``, ``TensorBoard``,
+    ``BackupAndRestore`` and ``History`` included.
+
+    Args:
+        model: a compiled Keras model.
+        dataset: the training dataset, iterated once per epoch; or a function
+            ``epoch -> dataset`` called at the start of each epoch.
+        epochs: index of the last epoch plus one, as in ``fit``. Default: ``1``.
+        initial_epoch: epoch to start at (resuming). Default: ``0``.
+        callbacks: Keras callbacks. Default: ``None``.
+        verbose: as in ``fit``. Default: ``"auto"``.
+        **fit_kwargs: passed to every ``model.fit`` call (``validation_data``,
+            ``validation_freq``, ``class_weight``, ``steps_per_epoch``, ...).
+
+    Returns:
+        The ``History`` of the whole run (also ``model.history``).
+
+    Raises:
+        TypeError: a keyword that ``fit_growing`` sets itself is in ``fit_kwargs``.
+    """
+    clash = [k for k in fit_kwargs if k in _NOT_PER_EPOCH]
+    if clash:
+        raise TypeError(f"fit_growing() sets {clash} itself; pass epochs=/initial_epoch=/callbacks=/verbose= directly")
+    # The dataset shuffles itself; Keras would only warn that it ignores shuffle=True.
+    fit_kwargs.setdefault("shuffle", False)
+    run = _RunCallbacks(
+        list(callbacks or []),
+        add_history=True,
+        add_progbar=verbose != 0,
+        verbose=verbose,
+        epochs=epochs,
+        steps=None,  # unknown, and different every epoch
+        model=model,
+    )
+    model.stop_training = False
+    run.on_train_begin()
+    # BackupAndRestore sets model._initial_epoch in on_train_begin; fit() would read it on
+    # every call, so take it here once and clear it.
+    start = getattr(model, "_initial_epoch", None) or initial_epoch
+    if hasattr(model, "_initial_epoch"):
+        model._initial_epoch = None
+    logs: dict | None = None
+    for epoch in range(start, epochs):
+        data = dataset(epoch) if callable(dataset) and not isinstance(dataset, tf.data.Dataset) else dataset
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_RAN_OUT)
+            history = model.fit(
+                data, epochs=epoch + 1, initial_epoch=epoch, callbacks=run, verbose=verbose, **fit_kwargs
+            )
+        logs = {name: values[-1] for name, values in history.history.items() if values}
+        # fit() resets stop_training when it starts, so an EarlyStopping request made at
+        # the end of this epoch has to be read now.
+        if model.stop_training:
+            logger.info("training stopped by a callback after epoch %d", epoch)
+            break
+    run.end_run(logs)
+    return model.history
