@@ -1,0 +1,127 @@
+"""benchmarks/throughput.py runs end to end on tiny data and reports every contender with sane figures.
+
+No speed is asserted here: the targets live in the benchmark's own report. A contender may
+be reported unavailable only while the module it measures does not exist yet; a contender
+that crashes fails the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "throughput.py")
+
+# contender -> module file whose absence is the only accepted reason for "unavailable"
+NEEDS = {
+    "growcache_tf": "adapters/tf_dataset.py",
+    "growcache_torch_1w": "adapters/torch_loader.py",
+    "growcache_torch_2w": "adapters/torch_loader.py",
+}
+GROWTH_NEEDS = {"tf": ("growcache/sampler.py", "adapters/tf_dataset.py"),
+                "torch": ("growcache/sampler.py", "adapters/torch_loader.py")}
+
+
+def _load():
+    # By path, as `growcache bench` loads it: benchmarks/ is not a package.
+    spec = importlib.util.spec_from_file_location("growcache_bench_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _missing(*paths: str) -> bool:
+    return any(not os.path.exists(os.path.join(REPO, p)) for p in paths)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("psutil")
+    bench = _load()
+    out = tmp_path_factory.mktemp("throughput")
+    args = bench.parse_args(["--quick", "--json", str(out / "r.json"), "--plots", str(out / "img")])
+    results = bench.main(args)
+    return bench, results, out
+
+
+@pytest.mark.timeout(240)
+def test_every_contender_is_reported(quick):
+    bench, results, out = quick
+    stored = json.loads((out / "r.json").read_text())
+    assert set(stored["raw"]) == set(bench.CONTENDERS)
+    for name, raw in results["raw"].items():
+        assert not raw.get("failed"), f"{name} crashed: {raw.get('reason')}\n{raw.get('traceback', '')}"
+        if not raw["available"]:
+            assert name in NEEDS and _missing(NEEDS[name]), f"{name} unavailable: {raw.get('reason')}"
+            assert raw["reason"]
+    assert stored["machine"]["cpus"] >= 1 and stored["machine"]["versions"]["growcache"]
+    assert stored["page_cache"]["state"]
+
+
+def test_figures_are_sane(quick):
+    bench, results, _ = quick
+    assert set(results["figures"]) == {"1MiB", "16KiB"}
+    for label, per in results["figures"].items():
+        for name, fig in per.items():
+            m = fig["MBps"]
+            assert 0 < m["min"] <= m["median"] <= m["max"], (label, name)
+            assert fig["records_per_s"]["median"] > 0
+            assert fig["train_cpu_s_per_GB"]["median"] >= 0 and fig["workers_cpu_s_per_GB"]["median"] >= 0
+            assert fig["peak_rss_train_MiB"] > 0
+            assert 0 <= fig["first_batch_s"]["median"] <= 60
+            assert fig["complete"], f"{label} {name}: {fig['unique_records']} of {fig['records_expected']}"
+            if fig["unique_records"] is not None:
+                assert fig["ids_in_range"]
+                expected_dup = 2.0 if name == "tfrecord_unindexed" else 1.0
+                assert fig["duplication"] == expected_dup, (label, name, fig["duplication"])
+        assert per["plain_read"]["vs_plain"] == 1.0
+
+
+def test_targets_are_marked(quick):
+    _, results, _ = quick
+    names = {(t["target"], t["records"]) for t in results["targets"]}
+    for label in ("1MiB", "16KiB"):
+        for target in ("torch_vs_tf_adapter", "torch_vs_tfrecord_indexed", "torch_vs_plain", "torch_train_cpu",
+                       "tf_vs_handwritten"):
+            assert (target, label) in names
+    for t in results["targets"]:
+        assert (t["met"] is None) == (t["measured"] is None)
+
+
+def test_growth_scenario(quick):
+    _, results, _ = quick
+    assert set(results["growth"]) == {"tf", "torch"}
+    for adapter, run in results["growth"].items():
+        assert not run.get("failed"), f"growth {adapter} crashed: {run.get('reason')}\n{run.get('traceback', '')}"
+        if not run["available"]:
+            assert _missing(*GROWTH_NEEDS[adapter]), run["reason"]
+            continue
+        assert len(run["epochs"]) >= 3
+        for epoch in run["epochs"]:
+            assert epoch["records"] > 0 and epoch["unique_records"] == epoch["records"]
+            assert epoch["first_batch_s"] >= 0 and epoch["sampler_MBps"] >= 0
+        assert run["timeline"]
+
+
+def test_outputs(quick, tmp_path):
+    bench, results, out = quick
+    assert "| records | contender |" in results["markdown"]
+    pngs = results["plots"]
+    assert any(p.endswith("throughput.png") for p in pngs)
+    for path in pngs:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\nHand-written reading stays.\n")
+    bench.update_docs(results, str(docs))
+    bench.update_docs(results, str(docs))  # a second run replaces its block, never appends another
+    text = (docs / "benchmarks.md").read_text()
+    assert "Hand-written reading stays." in text
+    assert text.count(bench.DOC_BEGIN) == 1 and text.count(bench.DOC_END) == 1
+    assert (docs / "img" / "throughput.png").exists()
