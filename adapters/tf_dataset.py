@@ -43,6 +43,8 @@ _ON_CORRUPT = ("raise", "skip")
 _SHUFFLE_BYTES = 256 << 20
 _SHUFFLE_RECORDS = (16, 8192)
 _POLL_S = 0.05
+# decode_raw has no unsigned 32/64-bit outputs: decode as the signed type, then bitcast.
+_RAW_AS = {tf.uint32: tf.int32, tf.uint64: tf.int64}
 
 
 def make_tf_dataset(
@@ -216,7 +218,10 @@ def _batch_parser(schema: Schema, label: str | None):
         raw = tf.io.parse_example(serialized, spec)
         out = {}
         for name, feature in schema.items():
-            values = tf.io.decode_raw(raw[name], tf.as_dtype(feature.dtype.name), little_endian=True)
+            dtype = tf.as_dtype(feature.dtype.name)
+            values = tf.io.decode_raw(raw[name], _RAW_AS.get(dtype, dtype), little_endian=True)
+            if dtype in _RAW_AS:
+                values = tf.bitcast(values, dtype)
             out[name] = tf.reshape(values, [-1, *feature.shape])
         if label is None:
             return out

@@ -1,0 +1,260 @@
+"""make_tf_dataset against real TensorFlow: epochs, leases, planning across pipelines, errors."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ID_SCHEMA, id_sample, write_shards
+
+tf = pytest.importorskip("tensorflow")
+
+from growcache import Cache, EmptyCacheError, Schema, SchemaError, SchemaMismatchError  # noqa: E402
+from growcache.adapters.tf_dataset import make_tf_dataset  # noqa: E402
+
+# MirroredStrategy over two replicas needs two logical CPUs, configured before TensorFlow
+# initializes its devices. pytest imports every test module before running any test.
+try:
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+except RuntimeError:  # devices already initialized by an earlier import
+    pass
+
+
+def read_epoch(ds, check_arrays: bool = True) -> list[list[int]]:
+    """Iterate one epoch; return the ids of each batch, checking every array against its id."""
+    batches = []
+    for batch in ds:
+        ids = batch["id"].numpy()
+        if check_arrays:
+            for record_id, x in zip(ids, batch["x"].numpy()):
+                assert np.array_equal(x, id_sample(int(record_id))["x"])
+        batches.append([int(i) for i in ids])
+    return batches
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+def corrupt(path: str, offset: int = 60) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff\xff\xff")
+
+
+def test_an_epoch_yields_every_record_once_decoded_exactly(id_cache):
+    ids = write_shards(id_cache, [5, 7, 3, 9])
+    ds = make_tf_dataset(id_cache, 4, seed=1)
+    assert ds.element_spec["x"].shape.as_list() == [None, 4, 8]
+    assert ds.element_spec["x"].dtype == tf.float32 and ds.element_spec["id"].dtype == tf.int64
+    batches = read_epoch(ds)
+    assert sorted(flat(batches)) == ids
+    assert [len(b) for b in batches] == [4] * 6
+    # The shuffle buffer mixes shards: records do not come out in write order.
+    assert flat(batches) != ids
+
+
+def test_every_iterator_takes_a_fresh_snapshot(id_cache):
+    first = write_shards(id_cache, [6])
+    ds = make_tf_dataset(id_cache, 4, seed=0, drop_remainder=True)
+    assert len(read_epoch(ds)) == 1  # 6 records, drop_remainder
+    more = write_shards(id_cache, [6, 6], first_id=100)
+    batches = read_epoch(ds)
+    assert len(batches) == 4
+    assert set(flat(batches)) <= set(first + more) and len(set(flat(batches))) == 16
+
+
+def test_shard_and_record_order_follow_seed_and_epoch(id_cache):
+    write_shards(id_cache, [4] * 6)
+    a = make_tf_dataset(id_cache, 4, seed=7)
+    b = make_tf_dataset(id_cache, 4, seed=7)
+    c = make_tf_dataset(id_cache, 4, seed=8)
+    a0, a1 = flat(read_epoch(a, False)), flat(read_epoch(a, False))
+    assert flat(read_epoch(b, False)) == a0  # same seed, same epoch: same order
+    assert a1 != a0  # next epoch: another order
+    assert flat(read_epoch(c, False)) != a0
+
+
+def test_lease_lives_until_the_iterator_is_exhausted_or_deleted(id_cache):
+    write_shards(id_cache, [8, 8])
+    ds = make_tf_dataset(id_cache, 2, seed=0, shuffle_buffer=0)
+    iterator = iter(ds)
+    next(iterator)
+    assert id_cache.stats().leases == 1
+    for _ in iterator:
+        pass
+    assert id_cache.stats().leases == 0
+    iterator = iter(ds)
+    next(iterator)
+    assert id_cache.stats().leases == 1
+    del iterator
+    gc.collect()
+    assert id_cache.stats().leases == 0
+
+
+def test_eviction_during_an_epoch_spares_leased_shards(tmp_path):
+    shard_bytes_probe = Cache(tmp_path / "probe", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(shard_bytes_probe, [10])
+    shard_bytes = shard_bytes_probe.list_shards()[0].nbytes
+    # Room for three shards: the epoch's three, then newer ones push the budget.
+    cache = Cache(tmp_path / "cache", capacity=3 * shard_bytes, schema=ID_SCHEMA)
+    ids = write_shards(cache, [10, 10, 10])
+    leased = [s.path for s in cache.list_shards()]
+    ds = make_tf_dataset(cache, 2, seed=0, shuffle_buffer=0, cycle_length=1)
+    iterator = iter(ds)
+    got = [int(i) for i in next(iterator)["id"].numpy()]
+    write_shards(cache, [10, 10, 10], first_id=1000)  # each publish evicts what it may
+    assert cache.stats().bytes > cache.capacity  # leased shards hold the disk over budget
+    evicted = {s.path for s in cache.evict(to=0)}  # takes every unleased shard
+    assert evicted and not evicted & set(leased)
+    assert all(tf.io.gfile.exists(p) for p in leased)
+    for batch in iterator:
+        got.extend(int(i) for i in batch["id"].numpy())
+    assert sorted(got) == ids
+    assert cache.stats().leases == 0
+    assert sorted(s.path for s in cache.evict(to=0)) == sorted(leased)
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_input_pipelines_read_disjoint_whole_shards_with_equal_batch_counts(id_cache, drop_remainder):
+    ids = write_shards(id_cache, [5, 7, 3, 9, 4])
+    shard_of = {}
+    for shard, start in zip(id_cache.list_shards(), np.cumsum([0, 5, 7, 3, 9])):
+        for i in range(shard.records):
+            shard_of[int(start) + i] = shard.seq
+    per_pipeline = []
+    for pipeline in range(2):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline, num_replicas_in_sync=2)
+        per_pipeline.append(read_epoch(make_tf_dataset(id_cache, 4, seed=3, input_context=ctx,
+                                                       drop_remainder=drop_remainder)))
+    counts = [len(b) for b in per_pipeline]
+    assert counts[0] == counts[1] > 0
+    seen = [flat(b) for b in per_pipeline]
+    shards = [{shard_of[i] for i in s} for s in seen]
+    assert not shards[0] & shards[1]  # whole shards, each in one pipeline
+    if drop_remainder:
+        assert all(len(b) == 4 for p in per_pipeline for b in p)
+        assert len(set(seen[0] + seen[1])) == len(seen[0] + seen[1])  # nothing read twice
+    else:
+        # Every record read; a short pipeline tops up from its own shards.
+        assert set(seen[0]) | set(seen[1]) == set(ids)
+        assert not set(seen[0]) & set(seen[1])
+
+
+def test_mirrored_strategy_reads_each_record_exactly_once(id_cache):
+    ids = write_shards(id_cache, [6, 6, 6, 6, 8])
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        return make_tf_dataset(id_cache, ctx.get_per_replica_batch_size(8), seed=5, input_context=ctx)
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    for _epoch in range(2):
+        got = []
+        for batch in dist:
+            for replica_ids in strategy.experimental_local_results(batch["id"]):
+                got.extend(int(i) for i in replica_ids.numpy())
+        assert sorted(got) == ids
+    assert contexts and all(c.num_replicas_in_sync == 2 for c in contexts)
+    assert id_cache.stats().leases == 0
+
+
+def test_shards_written_by_tensorflow_and_added_read_correctly(id_cache, tmp_path):
+    ids = []
+    for shard in range(2):
+        path = str(tmp_path / f"tf-{shard}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for i in range(shard * 100, shard * 100 + 7):
+                feature = {k: tf.train.Feature(bytes_list=tf.train.BytesList(value=[np.asarray(v).tobytes()]))
+                           for k, v in id_sample(i).items()}
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+                ids.append(i)
+        id_cache.add_shard(path)
+    assert sorted(flat(read_epoch(make_tf_dataset(id_cache, 3, seed=0)))) == ids
+
+
+def test_label_splits_features_and_every_dtype_decodes(tmp_path):
+    schema = Schema({"b": ("bool", (3,)), "h": ("float16", (2, 2)), "c": ("complex64", (2,)),
+                     "u": ("uint32", ()), "y": ("int64", ())})
+    cache = Cache(tmp_path / "c", schema=schema)
+    rng = np.random.default_rng(0)
+    samples = [{"b": rng.random(3) > 0.5, "h": rng.random((2, 2)).astype(np.float16),
+                "c": (rng.random(2) + 1j * rng.random(2)).astype(np.complex64),
+                "u": np.uint32(rng.integers(2**32)), "y": np.int64(i)} for i in range(5)]
+    with cache.writer() as writer:
+        for sample in samples:
+            writer.write(sample)
+    ds = make_tf_dataset(cache, 5, label="y", shuffle_buffer=0, seed=0)
+    features, labels = next(iter(ds))
+    assert sorted(features) == ["b", "c", "h", "u"]
+    assert labels.numpy().tolist() == [0, 1, 2, 3, 4]
+    for name in features:
+        expected = np.stack([s[name] for s in samples])
+        assert features[name].dtype.as_numpy_dtype == expected.dtype
+        assert np.array_equal(features[name].numpy(), expected)
+
+
+def test_construction_errors_are_clear(tmp_path, id_cache):
+    bare = Cache(tmp_path / "bare")
+    with pytest.raises(SchemaError, match="features="):
+        make_tf_dataset(bare, 4)
+    write_shards(id_cache, [2])
+    with pytest.raises(SchemaMismatchError):
+        make_tf_dataset(id_cache, 4, features={"id": ("int32", ())})
+    with pytest.raises(SchemaError, match="label="):
+        make_tf_dataset(id_cache, 4, label="nope")
+    with pytest.raises(ValueError, match="on_corrupt"):
+        make_tf_dataset(id_cache, 4, on_corrupt="ignore")
+    with pytest.raises(EmptyCacheError, match="wait_for_shards"):
+        make_tf_dataset(Cache(tmp_path / "empty", schema=ID_SCHEMA), 4)
+    # A path works too, and features= reads a cache that stores no schema.
+    assert make_tf_dataset(str(id_cache.path), 4, features=ID_SCHEMA) is not None
+
+
+def test_empty_cache_waits_for_the_first_shard_then_gives_up(tmp_path):
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    ds = make_tf_dataset(cache, 4, wait_for_shards=30, seed=0)
+    publisher = threading.Timer(0.5, write_shards, args=(cache, [3]))
+    publisher.start()
+    start = time.monotonic()
+    assert sorted(flat(read_epoch(ds))) == [0, 1, 2]
+    assert time.monotonic() - start >= 0.4
+    publisher.join()
+
+    impatient = make_tf_dataset(Cache(tmp_path / "d", schema=ID_SCHEMA), 4, wait_for_shards=0.2)
+    with pytest.raises(tf.errors.OpError, match="EmptyCacheError|held no shard"):
+        read_epoch(impatient)
+
+
+def test_corrupt_shard_raises_data_loss_and_names_the_file_when_verifying(id_cache, caplog):
+    write_shards(id_cache, [4, 4, 4])
+    bad = id_cache.list_shards()[1].path
+    corrupt(bad)
+    with pytest.raises(tf.errors.DataLossError):
+        read_epoch(make_tf_dataset(id_cache, 2, seed=0))
+    with caplog.at_level(logging.ERROR, logger="growcache.adapters.tf_dataset"):
+        with pytest.raises(tf.errors.DataLossError):
+            read_epoch(make_tf_dataset(id_cache, 2, seed=0, verify=True))
+    assert bad in caplog.text and "offset" in caplog.text
+    assert id_cache.stats().leases == 0
+
+
+def test_corrupt_shard_is_skipped_and_counted_on_request(id_cache, caplog):
+    ids = write_shards(id_cache, [4, 4, 4])
+    bad = id_cache.list_shards()[1]
+    corrupt(bad.path)
+    ds = make_tf_dataset(id_cache, 2, seed=0, on_corrupt="skip")
+    with caplog.at_level(logging.WARNING, logger="growcache.adapters.tf_dataset"):
+        got = flat(read_epoch(ds))
+    assert sorted(got) == ids[:4] + ids[8:]
+    assert [e.path for e in ds.corrupt_shards] == [bad.path]
+    assert bad.path in caplog.text
