@@ -43,6 +43,9 @@ __all__ = ["make_torch_loader", "tfrecord_frames"]
 logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<QI")
 _PLAN_TIMEOUT_S = 300.0
+# Features of at most this many bytes per batch (labels, ids) are copied out of the slab:
+# users keep those (metrics, logging), and a kept view would pin a whole slot.
+_COPY_BELOW = 256 << 10
 
 
 def tfrecord_frames(path: str, verify: bool) -> Iterator[tuple[int, memoryview]]:
@@ -275,7 +278,7 @@ class GrowcacheLoader(DataLoader):
         try:
             for item in iterator:
                 if isinstance(item, SlotHandle):
-                    arrays = stream.slabs[item.slab].open(item, copy=self._copy)
+                    arrays = stream.slabs[item.slab].open(item, copy=self._copy, copy_below=_COPY_BELOW)
                     batch = {n: torch.from_numpy(a) for n, a in arrays.items()}
                 elif isinstance(item, dict):
                     batch = item

@@ -287,27 +287,35 @@ class Slab:
             time.sleep(0.0002)
 
     # -- consumer side --------------------------------------------------------------------
-    def open(self, handle: SlotHandle, *, copy: bool = False) -> dict[str, np.ndarray]:
+    def open(self, handle: SlotHandle, *, copy: bool = False, copy_below: int = 0) -> dict[str, np.ndarray]:
         """The batch of ``handle`` as numpy arrays.
 
         Args:
             handle: from the producer's :meth:`acquire`.
             copy: copy the batch out and free the slot now. Default: ``False``: zero-copy
                 views that free the slot when the last of them is garbage collected.
+            copy_below: copy out every feature of at most this many bytes in the batch,
+                even when ``copy`` is false. Consumers keep small features (labels, ids)
+                far more often than large ones, and a kept view pins its whole slot; a
+                small copy costs next to nothing. Default: ``0``.
         """
         if int(self._state[handle.slot]) != handle.token:
             raise RuntimeError(
                 f"slab {self.index} slot {handle.slot} no longer holds batch {handle.token:#x}: "
                 "a batch handle was opened twice or after its epoch ended"
             )
-        start = self.header_nbytes + handle.slot * self.layout.slot_nbytes
-        if copy:
-            arrays = {k: v.copy() for k, v in self.layout.arrays(self.slot_bytes(handle.slot), handle.records).items()}
+        views = self.layout.arrays(self.slot_bytes(handle.slot), handle.records)
+        small = {k for k, v in views.items() if copy or v.nbytes <= copy_below}
+        out = {k: views[k].copy() for k in small}
+        del views
+        if len(small) == len(self.layout.features):
             self._release(handle.slot, handle.token)
-            return arrays
+            return out
+        start = self.header_nbytes + handle.slot * self.layout.slot_nbytes
         self._live[handle.slot] = handle.token
         lease = _SlotLease(self, handle.slot, handle.token, self._address + start, self.layout.slot_nbytes)
-        return self.layout.arrays(np.asarray(lease), handle.records)
+        shared = self.layout.arrays(np.asarray(lease), handle.records)
+        return {k: out[k] if k in small else shared[k] for k in shared}
 
     def held_tokens(self) -> list[tuple[int, int]]:
         """``(slot, token)`` of the batches this consumer still holds views of."""
