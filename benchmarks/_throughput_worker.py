@@ -251,17 +251,21 @@ def _growcache_attr(name: str):
         raise Unavailable(f"growcache.{name} is not importable: {type(exc).__name__}: {exc}") from exc
 
 
-def _tf_adapter(size: dict, opts: dict) -> Pipeline:
-    _tf_imports()
-    make_tf_dataset = _growcache_attr("make_tf_dataset")
-    kwargs = dict(opts.get("tf_adapter_kwargs", {}))
-    ds = make_tf_dataset(size["cache"], size["batch_size"], **kwargs)
+def _tf_adapter(defaults: bool):
+    def build(size: dict, opts: dict) -> Pipeline:
+        _tf_imports()
+        make_tf_dataset = _growcache_attr("make_tf_dataset")
+        kwargs = {} if defaults else dict(opts.get("tf_adapter_kwargs", {}))
+        ds = make_tf_dataset(size["cache"], size["batch_size"], **kwargs)
 
-    def count(batch):
-        features = batch[0] if isinstance(batch, tuple) else batch
-        return int(features["id"].shape[0]), features["id"].numpy()
+        def count(batch):
+            features = batch[0] if isinstance(batch, tuple) else batch
+            return int(features["id"].shape[0]), features["id"].numpy()
 
-    return Pipeline(lambda: ds, count, note=f"make_tf_dataset(cache, batch_size, **{kwargs})")
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "defaults: record shuffle buffer on"
+        return Pipeline(lambda: ds, count, note=f"make_tf_dataset(cache, batch_size; {shown})")
+
+    return build
 
 
 def _decode_tfrecord_example(features: dict) -> dict:
@@ -298,8 +302,10 @@ def _torch_adapter(workers: int):
         make_torch_loader = _growcache_attr("make_torch_loader")
         kwargs = dict(opts.get("torch_adapter_kwargs", {}))
         loader = make_torch_loader(size["cache"], size["batch_size"], num_workers=workers, **kwargs)
+        shown = "".join(f", {k}={v!r}" for k, v in kwargs.items())
         return Pipeline(lambda: loader, lambda b: (int(b["id"].shape[0]), b["id"].numpy()),
-                        note=f"make_torch_loader(cache, batch_size, num_workers={workers}, **{kwargs})")
+                        note=f"make_torch_loader(cache, batch_size, num_workers={workers}{shown}); other "
+                             "arguments at their defaults")
 
     return build
 
@@ -320,7 +326,8 @@ CONTENDERS: dict[str, Callable[[dict, dict], Pipeline]] = {
     "plain_read": _plain,
     "tf_raw_records": _tf_raw,
     "tf_handwritten": _tf_handwritten,
-    "growcache_tf": _tf_adapter,
+    "growcache_tf": _tf_adapter(defaults=False),
+    "growcache_tf_shuffled": _tf_adapter(defaults=True),
     "tfrecord_indexed": _tfrecord_package(True),
     "tfrecord_unindexed": _tfrecord_package(False),
     "growcache_torch_1w": _torch_adapter(1),

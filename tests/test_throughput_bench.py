@@ -19,6 +19,7 @@ SCRIPT = os.path.join(REPO, "benchmarks", "throughput.py")
 # contender -> module file whose absence is the only accepted reason for "unavailable"
 NEEDS = {
     "growcache_tf": "adapters/tf_dataset.py",
+    "growcache_tf_shuffled": "adapters/tf_dataset.py",
     "growcache_torch_1w": "adapters/torch_loader.py",
     "growcache_torch_2w": "adapters/torch_loader.py",
 }
