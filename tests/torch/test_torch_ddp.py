@@ -1,0 +1,69 @@
+"""Two gloo ranks train a tiny DDP model for 2 epochs on one cache: no hang, disjoint records,
+equal batch counts (uneven shards force the top up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tfrecord")
+
+from conftest import ID_SCHEMA, write_shards  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str, drop_last: bool) -> None:
+    import torch.distributed as dist
+
+    import growcache
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = growcache.make_torch_loader(cache_dir, 4, num_workers=1, seed=5, drop_last=drop_last)
+    epochs = []
+    for _ in range(2):
+        ids, batches = [], 0
+        for batch in loader:
+            loss = model(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()  # an all-reduce: a rank with fewer batches would hang the other
+            opt.step()
+            ids += batch["id"].tolist()
+            batches += 1
+        epochs.append({"ids": ids, "batches": batches})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(epochs, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path, drop_last):
+    import torch.multiprocessing as mp
+
+    written = write_shards(id_cache, [7, 5, 9, 3, 11, 2])
+    mp.spawn(_rank, args=(2, id_cache.path, _free_port(), str(tmp_path), drop_last), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        a, b = (results[r][epoch] for r in range(2))
+        assert a["batches"] == b["batches"] > 0
+        assert not set(a["ids"]) & set(b["ids"]), "ranks overlap"
+        seen = set(a["ids"]) | set(b["ids"])
+        if drop_last:
+            assert len(a["ids"]) + len(b["ids"]) == len(seen)  # nothing read twice
+            assert seen < set(written)
+        else:
+            assert seen == set(written)  # every record read; only top-up records repeat within a rank
