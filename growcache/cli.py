@@ -96,6 +96,30 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    # The benchmark suite lives in the source checkout (benchmarks/), not in the wheel.
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "throughput.py")
+    if not os.path.exists(script):
+        raise _UsageError(f"growcache bench runs benchmarks/throughput.py from a source checkout; {script} is missing")
+    spec = importlib.util.spec_from_file_location("growcache_throughput", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(script))
+    spec.loader.exec_module(module)
+    try:
+        module.main(module.parse_args(args.bench_args))
+    except SystemExit as exc:  # --help, or the benchmark's own usage error
+        return 2 if exc.code not in (0, None) else 0
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = _Parser(prog="growcache", description="Grow a local TFRecord cache of a remote dataset and read it.")
@@ -116,18 +140,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--to", type=_size_arg, default=None, help="target size, e.g. 10GB (default: the capacity)")
     p.set_defaults(func=_cmd_prune)
+
+    from .demo import add_demo_arguments
+
+    p = sub.add_parser("demo", help="the whole product on an embedded store: sample, cache, train, per-epoch table")
+    add_demo_arguments(p)
+    p.set_defaults(func=_cmd_demo)
+
+    # Its flags belong to benchmarks/throughput.py; main() hands them over untouched.
+    sub.add_parser("bench", help="framework throughput benchmark (benchmarks/throughput.py; --help for its flags)",
+                   add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``growcache`` command with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    try:
-        args = build_parser().parse_args(argv)
-    except _UsageError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        args = argparse.Namespace(command="bench", func=_cmd_bench, bench_args=argv[1:], verbose=False)
+    else:
+        try:
+            args = build_parser().parse_args(argv)
+        except _UsageError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        except SystemExit as exc:  # --help
+            return int(exc.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
