@@ -63,7 +63,7 @@ def make_tf_dataset(
     on_corrupt: str = "raise",
     wait_for_shards: float = 0.0,
     deterministic: bool | None = None,
-    read_buffer: int = 1 << 20,
+    read_buffer: int = 256 << 10,
 ) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` over a growcache cache; each iterator reads a fresh snapshot.
 
@@ -82,7 +82,8 @@ def make_tf_dataset(
         seed: seed of the shard order and the record shuffle. Epoch ``e`` shuffles with
             ``(seed, e)``, where ``e`` counts this dataset's iterators. Default: ``None``
             (a random seed per dataset).
-        cycle_length: shards read at once. Default: ``min(8, shards of the epoch)``.
+        cycle_length: shards read at once. Default: the CPU count, at least 4 and at most
+            16, and at most the epoch's shards.
         block_length: consecutive records taken from one shard. Default: ``1``.
         drop_remainder: drop the final partial batch. Default: ``False``.
         input_context: from ``strategy.distribute_datasets_from_function``. Pipelines of
@@ -105,7 +106,7 @@ def make_tf_dataset(
             is empty now. Default: ``0.0``.
         deterministic: keep the interleave and parse order deterministic. Default: ``None``
             (deterministic when ``seed`` is given).
-        read_buffer: read buffer of each ``TFRecordDataset``, in bytes. Default: 1 MiB.
+        read_buffer: read buffer of each ``TFRecordDataset``, in bytes. Default: 256 KiB.
 
     Returns:
         The dataset. Its elements hold the schema's dtypes with shapes ``(batch, *shape)``.
@@ -191,6 +192,11 @@ def make_tf_dataset(
     ds = ds.prefetch(tf.data.AUTOTUNE)
     ds.corrupt_shards = source.corrupt_shards
     return ds
+
+
+def _default_cycle() -> int:
+    # Enough shards in flight to keep every core parsing, few enough to keep reads sequential.
+    return min(max(4, os.cpu_count() or 4), 16)
 
 
 def _resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None) -> Schema:
@@ -289,7 +295,7 @@ class _EpochSource:
                 epoch, self.pipeline, self.pipelines, len(paths), len(snapshot), quota, snapshot.records,
             )
             record_seed = int(np.random.default_rng([seed, epoch, self.pipeline]).integers(2**62))
-            cycle = max(1, min(self.cycle_length or 8, len(paths)))
+            cycle = max(1, min(self.cycle_length or _default_cycle(), len(paths)))
             yield (
                 paths.astype(bytes),
                 (top_up if quota > total else top_up[:0]).astype(bytes),
