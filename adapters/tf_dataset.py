@@ -178,9 +178,13 @@ def make_tf_dataset(
             block_length=block_length,
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=deterministic,
-        ).take(take)
-        # A pipeline short of the quota re-reads its own shards (planning's "top up").
-        records = records.concatenate(read(top_up, buffer_size=read_buffer).repeat().take(extra))
+        )
+        if source.pipelines > 1:
+            # Equal batch counts: a long pipeline stops at its quota, a short one re-reads
+            # its own shards (planning's "top up"). One pipeline always reads everything,
+            # and skips these stages (each costs a call per record).
+            records = records.take(take)
+            records = records.concatenate(read(top_up, buffer_size=read_buffer).repeat().take(extra))
         if shuffle_buffer:
             records = records.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
         return records
