@@ -466,8 +466,7 @@ def run_growth(spec: dict) -> dict:
                     "first_batch_s": figures["first_batch_s"], "wall_s": figures["wall_s"],
                     "train_cpu_s": figures["train_cpu_s"], "other_cpu_s": figures["workers_cpu_s"],
                     "sampler_MBps": (stats1.published_bytes - stats0.published_bytes) / figures["wall_s"] / 1e6,
-                    "cache_bytes_end": stats1.bytes, "worker_rss": monitor.sample()["child_max"]
-                    if adapter == "torch" else None,
+                    "cache_bytes_end": stats1.bytes, "loader_worker_rss_MiB": _forked_children_rss(),
                 })
                 previous = snapshot
             pool_stats = {k: getattr(pool, k) for k in ("restarts", "records", "shards") if hasattr(pool, k)}
@@ -482,6 +481,22 @@ def run_growth(spec: dict) -> dict:
             "budget": spec["budget"], "versions": versions(),
             "note": ("other_cpu_s counts child processes of the training process: DataLoader workers "
                      "and the SamplerPool's samplers")}
+
+
+def _forked_children_rss() -> list[float]:
+    """RSS (MiB) of each forked child (DataLoader workers share our command line; spawned
+    samplers do not)."""
+    import psutil
+
+    me = psutil.Process()
+    out = []
+    for child in me.children():
+        try:
+            if child.cmdline() == me.cmdline():
+                out.append(child.memory_info().rss / MiB)
+        except psutil.Error:
+            pass
+    return out
 
 
 def _estimate_snapshot(before: dict, after: dict, records: int) -> dict:
