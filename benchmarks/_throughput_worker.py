@@ -367,6 +367,7 @@ def run_contender(spec: dict) -> dict:
                 else:
                     figures.update(unique_records=None, duplicates=None)
                 figures["rss_self"] = monitor.sample()
+                figures["epoch_in_process"] = epoch
                 (per_size["warmup"] if epoch < spec["warmup_epochs"] else per_size["runs"]).append(figures)
             per_size["peak_rss_train"] = monitor.peak_self
             per_size["peak_rss_workers_sum"] = monitor.peak_children
@@ -436,11 +437,15 @@ def run_growth(spec: dict) -> dict:
     watcher = threading.Thread(target=watch, name="bench-growth-watch", daemon=True)
     try:
         with SamplerPool(cache, source, workers=spec["workers"], shard_size=spec["shard_size"], seed=0) as pool:
-            if hasattr(pool, "start") and not getattr(pool, "started", True):
-                pool.start()
             watcher.start()
             wait_start = time.perf_counter()
-            pool.wait_for(records=spec.get("start_records", 1))
+            pool.wait_for(records=1, timeout=60)
+            while not cache.list_shards():  # records written are not yet a published shard
+                if hasattr(pool, "raise_if_failed"):
+                    pool.raise_if_failed()
+                if time.perf_counter() - wait_start > 60:
+                    raise RuntimeError("no shard was published within 60 s")
+                time.sleep(0.01)
             first_shard_s = time.perf_counter() - wait_start
             previous: dict[int, Any] = {}
             deadline = time.perf_counter() + spec["seconds"]

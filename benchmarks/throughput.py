@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="payload bytes per batch; batch size = this / record size (default 16MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender (default 3)")
     parser.add_argument("--warmup-epochs", type=int, default=1, help="untimed epochs first (default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole list of contenders this many times, each time in fresh processes, "
+                             "and pool the epochs: on a shared machine, a burst of someone else's load then "
+                             "hits every contender alike (default 1)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help="comma-separated subset of: " + ", ".join(CONTENDERS))
     parser.add_argument("--dir", default=None,
@@ -254,6 +258,20 @@ def _run_worker(spec: dict, scratch: str, timeout: float) -> dict:
     return result
 
 
+def _merge_rounds(previous: dict | None, new: dict) -> dict:
+    """Pool the epochs of one contender's rounds; peaks are the highest of any round."""
+    if previous is None or not previous.get("available") or not new.get("available"):
+        return new if previous is None or previous.get("available") else previous
+    for label, size in new["sizes"].items():
+        old = previous["sizes"][label]
+        old["warmup"] += size["warmup"]
+        old["runs"] += size["runs"]
+        for key in ("peak_rss_train", "peak_rss_workers_sum", "peak_rss_worker_max"):
+            old[key] = max(old[key], size[key])
+    previous["process_seconds"] += new.get("process_seconds", 0)
+    return previous
+
+
 # ------------------------------------------------------------------------------ figures
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -278,7 +296,9 @@ def summarize(name: str, label: str, raw: dict, size: dict, plain_MBps: float | 
     out["train_cpu_s_per_GB"] = _spread([r["train_cpu_s"] / (d / 1e9) for r, d in zip(runs, delivered)])
     out["workers_cpu_s_per_GB"] = _spread([r["workers_cpu_s"] / (d / 1e9) for r, d in zip(runs, delivered)])
     out["first_batch_s"] = _spread([r["first_batch_s"] for r in runs])
-    out["first_batch_first_epoch_s"] = raw["warmup"][0]["first_batch_s"] if raw["warmup"] else None
+    # The first epoch of each process (start-up included); the median over rounds.
+    firsts = [r for r in raw["warmup"] + runs if r.get("epoch_in_process") == 0]
+    out["first_batch_first_epoch_s"] = statistics.median(r["first_batch_s"] for r in firsts) if firsts else None
     out["peak_rss_train_MiB"] = raw["peak_rss_train"] / 2**20
     out["peak_rss_workers_MiB"] = raw["peak_rss_workers_sum"] / 2**20
     out["records_delivered"] = runs[-1]["records"]
@@ -502,8 +522,9 @@ def markdown(results: dict) -> str:
         f"Data: {data}. "
         f"Page cache: **{pc['state']}** (one plain read of all {pc['bytes'] / 2**30:.1f} GiB before timing; "
         f"resident after it: {_fmt(pc['resident_after'] and pc['resident_after'] * 100, '.0f')}%). "
-        f"Each contender: {results['args']['warmup_epochs']} warm-up epoch, then the median of "
-        f"{results['args']['repeats']} epochs (min-max), batches of {results['args']['batch_bytes']} payload.",
+        f"Each contender, in {results['args']['rounds']} round(s) of fresh processes: "
+        f"{results['args']['warmup_epochs']} warm-up epoch, then {results['args']['repeats']} timed epoch(s); the "
+        f"median over all timed epochs is shown (min-max). Batches of {results['args']['batch_bytes']} payload.",
         "",
         "### Throughput",
         "",
@@ -586,14 +607,15 @@ def main(args: argparse.Namespace) -> dict:
         # The TF adapter is measured like the hand-written pipeline, without a record shuffle
         # buffer (growcache_tf_shuffled shows its defaults). The torch adapter has none.
         options = {"tf_adapter_kwargs": {"shuffle_buffer": 0}, "torch_adapter_kwargs": {}}
-        for name in names:
-            logger.info("running %s", name)
-            spec = {"mode": "contender", "contender": name, "sizes": list(sets.values()),
-                    "epochs": args.repeats, "warmup_epochs": args.warmup_epochs, "options": options}
-            raw = _run_worker(spec, scratch, args.timeout)
-            results["raw"][name] = raw
-            if not raw.get("available"):
-                logger.warning("%s unavailable: %s", name, raw.get("reason"))
+        for round_ in range(args.rounds):
+            for name in names:
+                logger.info("running %s%s", name, f" (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else "")
+                spec = {"mode": "contender", "contender": name, "sizes": list(sets.values()),
+                        "epochs": args.repeats, "warmup_epochs": args.warmup_epochs, "options": options}
+                raw = _run_worker(spec, scratch, args.timeout)
+                results["raw"][name] = _merge_rounds(results["raw"].get(name), raw)
+                if not raw.get("available"):
+                    logger.warning("%s unavailable: %s", name, raw.get("reason"))
         for label, desc in sets.items():
             plain = results["raw"].get("plain_read", {})
             plain_MBps = None
