@@ -1,0 +1,492 @@
+"""Sources: where a sampler gets its samples, over any fsspec store.
+
+A source is a picklable callable ``sample(rng) -> dict[str, ndarray]``. Three kinds:
+
+* :class:`ObjectSource`: a random whole object from a glob, decoded by a named decoder
+  (``".npy"``, ``"raw"``) or a callable;
+* :class:`NpyWindowSource`: a random window of rows of a large ``.npy`` array, read by
+  byte range, so a 4 MB window of a 1 GB remote array transfers about 4 MB;
+* :class:`FunctionSource`: any picklable ``sample(rng)`` function.
+
+Stores are reached through ``fsspec.core.url_to_fs(url, **storage_options)``; the
+filesystem is created lazily in each process, so sources travel to spawned sampler
+processes by pickle. Transient store errors are retried with backoff and jitter
+(:class:`RetryPolicy`), then raised as :class:`TransientSourceError`; permanent ones
+(no such bucket, access denied, empty glob) raise :class:`SourceError` at once. Every
+message names the URL; credentials from ``storage_options`` never appear in messages,
+logs or ``repr``. Object names from the store are only ever used as store paths, never
+as local file names.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._retry import Redactor, RetryPolicy, describe_error, is_transient
+from .errors import GrowcacheError, MissingExtraError, SchemaError, SourceError, TransientSourceError
+
+__all__ = [
+    "FunctionSource",
+    "NpyWindowSource",
+    "ObjectSource",
+    "RetryPolicy",
+    "Source",
+    "as_source",
+    "open_source",
+]
+
+logger = logging.getLogger(__name__)
+
+Sample = dict[str, np.ndarray]
+Decoder = Callable[[bytes, str], "np.ndarray | Mapping[str, Any]"]
+
+_NPY_MAGIC = b"\x93NUMPY"
+_GLOB_CHARS = frozenset("*?[")
+# fsspec protocol -> growcache extra that installs its backend.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+class Source:
+    """Base class of samplers' sources: ``source(rng)`` returns one sample.
+
+    Subclasses implement :meth:`sample`. A source must pickle: the sampler pool sends it
+    to spawned worker processes.
+    """
+
+    def sample(self, rng: np.random.Generator) -> Sample:
+        """Return one sample, drawn with ``rng``, as a dict of feature name -> array."""
+        raise NotImplementedError
+
+    def __call__(self, rng: np.random.Generator) -> Sample:
+        return self.sample(rng)
+
+    def redact(self, text: str) -> str:
+        """``text`` with any credential this source holds replaced by ``***``."""
+        return text
+
+    def check(self) -> None:
+        """Contact the store once and raise now if the source cannot work (optional)."""
+
+
+class FunctionSource(Source):
+    """Wraps a picklable callable ``fn(rng) -> dict[str, ndarray]`` as a :class:`Source`.
+
+    Args:
+        fn: a module-level function (or any picklable callable); lambdas and closures do
+            not pickle and cannot reach spawned sampler processes.
+    """
+
+    def __init__(self, fn: Callable[[np.random.Generator], Mapping[str, Any]]) -> None:
+        if not callable(fn):
+            raise TypeError(f"FunctionSource needs a callable sample(rng) -> dict, got {type(fn).__name__}")
+        self.fn = fn
+
+    def sample(self, rng: np.random.Generator) -> Sample:
+        return dict(self.fn(rng))
+
+    def __repr__(self) -> str:
+        return f"FunctionSource({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def as_source(source: Source | Callable[[np.random.Generator], Mapping[str, Any]]) -> Source:
+    """``source`` itself if it is a :class:`Source`, else a :class:`FunctionSource` of it."""
+    if isinstance(source, Source):
+        return source
+    if callable(source):
+        return FunctionSource(source)
+    raise TypeError(
+        f"a source is a growcache.sources.Source or a callable sample(rng) -> dict of arrays, "
+        f"got {type(source).__name__}"
+    )
+
+
+class _StoreSource(Source):
+    """Shared machinery: lazy per-process filesystem, listing, retries, redaction."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls or not all(isinstance(u, str) and u for u in urls):
+            raise ValueError(f"url must be a non-empty URL string or list of URLs, got {url!r}")
+        self.urls = urls
+        self._storage_options = dict(storage_options or {})
+        self._redact = Redactor(self._storage_options, urls)
+        self.retry = retry or RetryPolicy()
+        # Per-process state, rebuilt lazily after pickling (see __getstate__).
+        self._fs: Any = None
+        self._fs_pid: int | None = None
+        self._protocol: str = ""
+        self._paths: list[str] | None = None
+        #: Bytes, requests and retries of this process (for tests and stats).
+        self.bytes_fetched = 0
+        self.requests = 0
+        self.retries = 0
+
+    # -- pickling: the filesystem (sockets, event loop threads) never travels ----------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0)
+        return state
+
+    def __repr__(self) -> str:
+        url = self.urls[0] if len(self.urls) == 1 else self.urls
+        return self._redact(
+            f"{type(self).__name__}({url!r}{self._repr_extra()}, "
+            f"storage_options={self._redact.options_repr(self._storage_options)})"
+        )
+
+    def _repr_extra(self) -> str:
+        return ""
+
+    def redact(self, text: str) -> str:
+        return self._redact(text)
+
+    # -- filesystem ------------------------------------------------------------------------
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem for the source's URL (created on first use)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            import fsspec.core
+
+            try:
+                fs, _ = fsspec.core.url_to_fs(self.urls[0], **self._storage_options)
+            except ImportError as exc:
+                protocol = self.urls[0].split("://", 1)[0] if "://" in self.urls[0] else "file"
+                extra = _EXTRAS.get(protocol)
+                hint = f"pip install 'growcache[{extra}]'" if extra else f"install the fsspec backend of {protocol}://"
+                raise MissingExtraError(self._redact(f"reading {self.urls[0]} needs a package: {exc}. {hint}")) from exc
+            except (TypeError, ValueError) as exc:
+                raise SourceError(self._redact(
+                    f"cannot open {self.urls[0]} with storage_options "
+                    f"{self._redact.options_repr(self._storage_options)}: {exc}"
+                )) from exc
+            self._fs, self._fs_pid = fs, os.getpid()
+            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+            self._protocol = protocol
+        return self._fs
+
+    def _url(self, path: str) -> str:
+        """The URL of a store path, for messages (credentials removed)."""
+        self.fs  # noqa: B018 - sets _protocol
+        return self._redact(f"{self._protocol}://{path}" if self._protocol not in ("file", "local") else path)
+
+    def _io(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
+        """Run one store call with retries; turn store errors into growcache errors."""
+
+        def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
+            self.retries += 1
+            logger.info("%s %s failed (attempt %d of %d): %s; retrying in %.2f s", what, url, attempt,
+                        self.retry.attempts, self._redact(describe_error(exc)), delay)
+
+        try:
+            return self.retry.call(fn, on_retry=on_retry)
+        except GrowcacheError:
+            raise
+        except Exception as exc:
+            detail = self._redact(describe_error(exc))
+            if is_transient(exc):
+                raise TransientSourceError(
+                    f"{what} {url} kept failing after {self.retry.attempts} attempts: {detail}. The store is "
+                    "unreachable, throttling or failing: check the endpoint and network, or allow more "
+                    "retries with retry=RetryPolicy(attempts=...)."
+                ) from exc
+            raise SourceError(f"{what} {url} failed: {detail}. {_hint(exc)}") from exc
+
+    def _fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        fs = self.fs
+        url = self._url(path)
+
+        def read() -> bytes:
+            self.requests += 1
+            data = fs.cat_file(path, start=start, end=end)
+            self.bytes_fetched += len(data)
+            return data
+
+        what = "reading" if start is None else f"reading bytes {start}-{end} of"
+        return self._io(what, url, read)
+
+    def paths(self) -> list[str]:
+        """The store paths this source samples from, sorted (listed once per process).
+
+        Raises:
+            SourceError: the glob matches nothing, or the bucket or directory is missing.
+        """
+        if self._paths is None:
+            fs = self.fs
+            found: set[str] = set()
+            for url in self.urls:
+                path = fs._strip_protocol(url)
+                if _GLOB_CHARS & set(path):
+                    listing = self._io("listing", self._redact(url), lambda p=path: fs.glob(p, detail=True))
+                    found.update(p for p, info in listing.items() if info.get("type", "file") != "directory")
+                else:
+                    found.add(path)
+            if not found:
+                raise SourceError(self._redact(
+                    f"no objects match {', '.join(self.urls)}: check the bucket, prefix and pattern "
+                    "(object names are case-sensitive; '**' matches across directories)"
+                ))
+            self._paths = sorted(found)
+        return self._paths
+
+    def _choose(self, rng: np.random.Generator) -> str:
+        paths = self.paths()
+        return paths[int(rng.integers(len(paths)))]
+
+    def check(self) -> None:
+        self.paths()
+
+
+def _hint(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "Check that the bucket and object exist and the URL is spelled right."
+    if isinstance(exc, PermissionError):
+        return "Check the credentials in storage_options and the bucket's access policy."
+    return "This error is not retryable; fix its cause and start again."
+
+
+# -- whole objects -------------------------------------------------------------------------
+def _decode_npy(data: bytes, path: str) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+class ObjectSource(_StoreSource):
+    """A random whole object from a glob, decoded into a sample.
+
+    Args:
+        url: a URL or glob (``"s3://bucket/train/*.npy"``), or a list of them.
+        decoder: ``".npy"`` (``numpy.load``, no pickles), ``"raw"`` (bytes as ``dtype`` and
+            ``shape``), or a callable ``decode(data: bytes, path: str)`` that returns an
+            array or a dict of arrays; ``path`` is the object's store path (for labels).
+            Default: ``".npy"``.
+        feature: the feature name an array result is stored under. Default: ``"x"``.
+        dtype: element type of ``"raw"`` objects.
+        shape: shape of ``"raw"`` objects.
+        storage_options: passed to fsspec (credentials, ``client_kwargs``, ...).
+        retry: retry policy of transient errors. Default: ``RetryPolicy()``.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        decoder: str | Decoder = ".npy",
+        feature: str = "x",
+        dtype: Any = None,
+        shape: Sequence[int] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(url, storage_options=storage_options, retry=retry)
+        if isinstance(decoder, str):
+            name = decoder.lower().lstrip(".")
+            if name == "npy":
+                decoder = _decode_npy
+            elif name == "raw":
+                if dtype is None or shape is None:
+                    raise ValueError("decoder='raw' needs dtype= and shape= (e.g. dtype='uint8', shape=(224, 224, 3))")
+                decoder = _RawDecoder(np.dtype(dtype).str, tuple(int(d) for d in shape))
+            else:
+                raise ValueError(f"unknown decoder {decoder!r}: use '.npy', 'raw' or a callable decode(data, path)")
+        elif not callable(decoder):
+            raise TypeError(f"decoder must be '.npy', 'raw' or a callable, got {type(decoder).__name__}")
+        self.decoder = decoder
+        self.feature = feature
+
+    def _repr_extra(self) -> str:
+        return f", decoder={getattr(self.decoder, '__name__', self.decoder)!r}, feature={self.feature!r}"
+
+    def sample(self, rng: np.random.Generator) -> Sample:
+        path = self._choose(rng)
+        data = self._fetch(path)
+        try:
+            result = self.decoder(data, path)
+        except GrowcacheError:
+            raise
+        except Exception as exc:
+            raise SchemaError(self._redact(
+                f"cannot decode {self._url(path)} with {getattr(self.decoder, '__name__', self.decoder)}: "
+                f"{describe_error(exc)}. Check that the objects match the decoder."
+            )) from exc
+        if isinstance(result, Mapping):
+            return dict(result)
+        return {self.feature: result}
+
+
+@dataclass(frozen=True)
+class _RawDecoder:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def __name__(self) -> str:  # shown in messages and repr
+        return f"raw {np.dtype(self.dtype).name}{list(self.shape)}"
+
+    def __call__(self, data: bytes, path: str) -> np.ndarray:
+        dtype = np.dtype(self.dtype)
+        expected = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        if len(data) != expected:
+            raise ValueError(f"object has {len(data)} bytes, dtype {dtype.name} shape {self.shape} needs {expected}")
+        return np.frombuffer(data, dtype=dtype).reshape(self.shape)
+
+
+# -- windows of .npy arrays ----------------------------------------------------------------
+@dataclass(frozen=True)
+class NpyHeader:
+    """Where the rows of a ``.npy`` file lie: dtype, shape and byte offset of the data."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    data_offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+
+class NpyWindowSource(_StoreSource):
+    """A random window of consecutive rows of a large ``.npy`` array, read by byte range.
+
+    Each file's header is read once per process with one small range read; each sample
+    then fetches only its window's bytes (``fs.cat_file(path, start, end)``). A file is
+    drawn uniformly, then a start row uniformly among the ``rows - window + 1`` choices.
+
+    Args:
+        url: a URL or glob of ``.npy`` files, or a list of them.
+        window: rows per sample (along the first axis).
+        feature: the feature name of the window. Default: ``"x"``.
+        storage_options: passed to fsspec.
+        retry: retry policy of transient errors. Default: ``RetryPolicy()``.
+        header_bytes: size of the first range read, enough for any ordinary header.
+            Default: ``4096``.
+
+    Raises:
+        SourceError: (on first use of a file) it is not a ``.npy`` file, is Fortran-ordered,
+            holds Python objects, or has fewer rows than ``window``.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        window: int,
+        *,
+        feature: str = "x",
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        header_bytes: int = 4096,
+    ) -> None:
+        super().__init__(url, storage_options=storage_options, retry=retry)
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"window must be a positive number of rows, got {window!r}")
+        self.window = int(window)
+        self.feature = feature
+        self.header_bytes = max(64, int(header_bytes))
+        self._headers: dict[str, NpyHeader] = {}
+
+    def _repr_extra(self) -> str:
+        return f", window={self.window}, feature={self.feature!r}"
+
+    def header(self, path: str) -> NpyHeader:
+        """The parsed header of ``path`` (one range read, cached in this process)."""
+        cached = self._headers.get(path)
+        if cached is not None:
+            return cached
+        url = self._url(path)
+        head = self._fetch(path, 0, self.header_bytes)
+        if len(head) < 10 or not head.startswith(_NPY_MAGIC):
+            raise SourceError(f"{url} is not a .npy file (no NUMPY magic). Give .npy files saved with numpy.save.")
+        major = head[6]
+        if major == 1:
+            hlen, hstart = struct.unpack("<H", head[8:10])[0], 10
+        elif major in (2, 3):
+            hlen, hstart = struct.unpack("<I", head[8:12])[0], 12
+        else:
+            raise SourceError(f"{url} is a .npy file of unknown format version {major}.{head[7]}")
+        if hstart + hlen > len(head):  # a rare long header: read the rest of it
+            head += self._fetch(path, len(head), hstart + hlen)
+        try:
+            fp = io.BytesIO(head[: hstart + hlen])
+            version = np.lib.format.read_magic(fp)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+            else:
+                shape, fortran, dtype = np.lib.format._read_array_header(fp, version)
+        except (ValueError, SyntaxError) as exc:
+            raise SourceError(f"{url} has a damaged .npy header: {exc}") from exc
+        if fortran and len(shape) > 1:
+            raise SourceError(
+                f"{url} is Fortran-ordered, so a window of rows is not one byte range. "
+                "Save it C-ordered: numpy.save(path, numpy.ascontiguousarray(array))."
+            )
+        if dtype.hasobject:
+            raise SourceError(f"{url} holds Python objects (dtype {dtype}); windows need a numeric dtype.")
+        if not shape:
+            raise SourceError(f"{url} holds a 0-d array; windows need at least one axis of rows.")
+        header = NpyHeader(dtype, tuple(shape), hstart + hlen)
+        if header.rows < self.window:
+            raise SourceError(
+                f"{url} has {header.rows} rows, fewer than window={self.window}. "
+                "Lower the window or leave out small files."
+            )
+        self._headers[path] = header
+        return header
+
+    def sample(self, rng: np.random.Generator) -> Sample:
+        path = self._choose(rng)
+        header = self.header(path)
+        first = int(rng.integers(header.rows - self.window + 1))
+        start = header.data_offset + first * header.row_bytes
+        end = start + self.window * header.row_bytes
+        data = self._fetch(path, start, end)
+        if len(data) != end - start:
+            raise SourceError(
+                f"{self._url(path)} returned {len(data)} bytes for rows {first}-{first + self.window}, expected "
+                f"{end - start}: the file is shorter than its header says (truncated or replaced while read)."
+            )
+        window = np.frombuffer(data, dtype=header.dtype).reshape((self.window, *header.shape[1:]))
+        return {self.feature: window}
+
+
+def open_source(
+    url: str | Sequence[str],
+    *,
+    window: int | None = None,
+    feature: str = "x",
+    decoder: str | Decoder | None = None,
+    dtype: Any = None,
+    shape: Sequence[int] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Source:
+    """The source a URL names: windows of ``.npy`` arrays if ``window`` is given, else whole objects.
+
+    Whole objects are decoded by ``decoder``; default ``"raw"`` when ``dtype`` and ``shape``
+    are given, else ``".npy"``.
+    """
+    if window is not None:
+        if decoder is not None:
+            raise ValueError("window= reads .npy arrays by byte range; it takes no decoder")
+        return NpyWindowSource(url, window, feature=feature, storage_options=storage_options, retry=retry)
+    if decoder is None:
+        decoder = "raw" if dtype is not None and shape is not None else ".npy"
+    return ObjectSource(url, decoder=decoder, feature=feature, dtype=dtype, shape=shape,
+                        storage_options=storage_options, retry=retry)
