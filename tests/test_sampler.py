@@ -1,0 +1,311 @@
+"""SamplerPool with real spawned processes, real signals and a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from stores import S3Server, free_port, s3, s3_server  # noqa: F401
+
+from growcache import Cache, Schema
+from growcache.eviction import choose_evictions_fifo
+from growcache.errors import CacheFullError, SamplerError, SchemaError, SourceError, TransientSourceError
+from growcache.example import ExampleCodec
+from growcache.records import iter_records
+from growcache.sampler import SamplerPool, _parse_storage_options, worker_rng
+from growcache.shard import TMP_PREFIX
+from growcache.sources import NpyWindowSource, RetryPolicy
+
+SCHEMA = Schema({"v": ("int64", (4,)), "x": ("float32", (64,))})
+RECORD = ExampleCodec(SCHEMA).record_nbytes + 16  # one framed record
+
+
+# Sample functions live at module level: spawned workers import this module to unpickle them.
+def stream_sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    v = rng.integers(0, 2**62, 4)
+    return {"v": v, "x": np.full(64, v[0] % 1000, np.float32)}
+
+
+def slow_sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    time.sleep(0.02)
+    return stream_sample(rng)
+
+
+def failing_sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    raise ValueError("bad row 17 in the user's data")
+
+
+def wrong_shape_sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"v": rng.integers(0, 9, 4), "x": np.zeros(63, np.float32)}
+
+
+def strict_fifo(shards, leased, capacity, incoming=0, now=0.0):
+    """A hard budget: leased shards count against it, so writers wait while leases pin it."""
+    leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
+    return choose_evictions_fifo(shards, leased, capacity - leased_bytes, incoming, now)
+
+
+def read_records(cache: Cache) -> list[dict[str, np.ndarray]]:
+    codec = ExampleCodec(cache.schema)
+    return [codec.decode(rec) for shard in cache.list_shards() for _, rec in iter_records(shard.path)]
+
+
+def temporaries(cache: Cache) -> list[str]:
+    return [n for n in os.listdir(cache.shards_dir) if n.startswith(TMP_PREFIX)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return Cache(tmp_path / "cache", capacity="64MB", schema=SCHEMA)
+
+
+def test_pool_writes_reproducible_distinct_streams_and_stops_clean(cache):
+    # Slow samples, so that both workers are up long before 120 records are written.
+    pool = SamplerPool(cache, slow_sample, workers=2, shard_size=20 * RECORD, seed=123)
+    assert pool._ctx.get_start_method() == "spawn"
+    with pool:
+        stats = pool.wait_for(records=120, timeout=60)
+        pids = pool.pids
+        assert stats.records >= 120 and stats.workers == 2 and not stats.failed
+    final = pool.stop()  # idempotent: a second stop returns the same final figures
+    assert all(gone(pid) for pid in pids) and temporaries(cache) == []
+    shards = cache.list_shards()
+    assert final.records == sum(s.records for s in shards) and final.shards == len(shards)
+    assert all(s.nbytes <= 20 * RECORD for s in shards), "shards rotate before they pass shard_size"
+    records = read_records(cache)
+    keys = [tuple(r["v"]) for r in records]
+    assert len(set(keys)) == len(keys), "no two workers (or restarts) produce the same samples"
+    # Reproducible: each worker's stream is the one its (seed, index, restart=0) RNG gives.
+    streams = []
+    for index in range(2):
+        rng = worker_rng(123, index, 0)
+        streams.append([tuple(stream_sample(rng)["v"]) for _ in range(len(records))])
+    for shard in shards:
+        codec = ExampleCodec(SCHEMA)
+        shard_keys = [tuple(codec.decode(r)["v"]) for _, r in iter_records(shard.path)]
+        owner = [s for s in streams if shard_keys[0] in s]
+        assert len(owner) == 1
+        start = owner[0].index(shard_keys[0])
+        assert owner[0][start:start + len(shard_keys)] == shard_keys, "a shard is a run of one worker's stream"
+    assert {i for i, s in enumerate(streams) for k in keys if k in s} == {0, 1}
+    with pytest.raises(RuntimeError, match="create a new SamplerPool"):
+        pool.start()
+
+
+def test_shards_rotate_by_age_when_samples_are_slow(cache):
+    with SamplerPool(cache, slow_sample, workers=1, shard_size="8MB", max_shard_age=0.3) as pool:
+        start = time.monotonic()
+        stats = pool.wait_for(shards=2, timeout=30)
+        took = time.monotonic() - start
+    assert stats.records < 8 * 10**6 // RECORD, "published by age, long before the size"
+    assert took < 10
+    sizes = [s.records for s in cache.list_shards()]
+    assert all(0 < n <= 40 for n in sizes), sizes  # ~0.3 s of 20 ms samples each
+
+
+def test_budget_is_enforced_while_sampling(tmp_path):
+    capacity = 30 * 20 * RECORD
+    cache = Cache(tmp_path / "small", capacity=capacity, schema=SCHEMA)
+    with SamplerPool(cache, stream_sample, workers=2, shard_size=20 * RECORD) as pool:
+        pool.wait_for(records=6 * capacity // RECORD, timeout=60)
+        mid = cache.stats()
+    after = cache.stats()
+    assert mid.bytes <= capacity and after.bytes <= capacity
+    assert after.evicted > 0 and after.published == after.shards + after.evicted
+    assert temporaries(cache) == []
+
+
+def test_leased_shards_survive_while_the_pool_writes_on(tmp_path):
+    capacity = 4 * 20 * RECORD
+    cache = Cache(tmp_path / "leased", capacity=capacity, schema=SCHEMA)
+    with SamplerPool(cache, stream_sample, workers=2, shard_size=20 * RECORD) as pool:
+        pool.wait_for(shards=4, timeout=60)
+        with cache.snapshot() as snap:
+            held = [s.path for s in snap]
+            published = pool.stats().shards
+            pool.wait_for(shards=published + 20, timeout=60)  # the default budget binds unleased shards only
+            assert all(os.path.exists(p) for p in held), "leased shards are never evicted"
+            assert cache.stats().bytes <= capacity + snap.nbytes
+    assert temporaries(cache) == []
+
+
+def test_stop_interrupts_writers_waiting_for_leased_room(tmp_path):
+    # A policy under which leases pin the whole budget, so writers wait in close().
+    cache = Cache(tmp_path / "leased", capacity=4 * 20 * RECORD, schema=SCHEMA, eviction_policy=strict_fifo)
+    pool = SamplerPool(cache, stream_sample, workers=2, shard_size=20 * RECORD, max_shard_age=None).start()
+    try:
+        pool.wait_for(shards=4, timeout=60)
+        with cache.snapshot() as snap:  # pins the whole budget: writers must wait
+            held = [s.path for s in snap]
+            time.sleep(1.0)
+            stalled = pool.stats().shards
+            time.sleep(0.5)
+            assert pool.stats().shards == stalled, "no publish while every shard is leased"
+            start = time.monotonic()
+            final = pool.stop(timeout=20)
+            assert time.monotonic() - start < 5, "stop() interrupts the wait for room"
+            assert all(os.path.exists(p) for p in held), "leased shards are never evicted"
+        assert final.discarded >= 1 and temporaries(cache) == []
+    finally:
+        pool.stop()
+
+
+def test_sample_function_exception_reaches_the_parent_with_traceback(cache):
+    pool = SamplerPool(cache, failing_sample, workers=2).start()
+    start = time.monotonic()
+    with pytest.raises(SamplerError) as info:
+        pool.wait_for(records=10, timeout=60)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "ValueError: bad row 17 in the user's data" in message
+    assert "Worker traceback" in message and "in failing_sample" in message
+    assert isinstance(info.value.__cause__, ValueError)
+    stats = pool.stats()
+    assert stats.failed and stats.restarts == 0 and "bad row 17" in stats.last_error
+    pool.stop()  # already reported: stop does not raise it again
+    assert temporaries(cache) == []
+
+
+def test_failure_surfaces_from_stop_and_with_block(cache):
+    with pytest.raises(SamplerError, match="bad row 17"):
+        with SamplerPool(cache, failing_sample) as pool:
+            deadline = time.monotonic() + 30
+            while not pool.stats().failed and time.monotonic() < deadline:
+                time.sleep(0.05)
+    # An exception inside the block wins over the sampler's failure.
+    with pytest.raises(KeyError):
+        with SamplerPool(cache, failing_sample):
+            time.sleep(0.5)
+            raise KeyError("the trainer's own error")
+
+
+def test_schema_mismatch_names_feature_expected_and_actual(cache):
+    with pytest.raises(SamplerError) as info:
+        with SamplerPool(cache, wrong_shape_sample) as pool:
+            pool.wait_for(records=1, timeout=60)
+    assert "feature 'x': expected dtype float32 shape (64,), got dtype float32 shape (63,)" in str(info.value)
+    assert isinstance(info.value.__cause__, SchemaError)
+    assert cache.list_shards() == [] and temporaries(cache) == []
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_sigkill_mid_write_restarts_then_gives_up(cache):
+    pool = SamplerPool(cache, slow_sample, workers=1, shard_size="8MB", max_shard_age=None, max_restarts=1).start()
+    try:
+        for round_ in range(2):
+            _wait(lambda: len(pool.pids) == 1 and any(str(pool.pids[0]) in n for n in temporaries(cache)))
+            victim = pool.pids[0]
+            _wait(lambda: pool.stats().records_written > 3 * (round_ + 1))
+            os.kill(victim, signal.SIGKILL)
+            if round_ == 0:
+                _wait(lambda: pool.stats().restarts == 1 and pool.pids and pool.pids[0] != victim)
+                assert not any(f"{TMP_PREFIX}{victim}-" in n for n in temporaries(cache)), "its temporary is removed"
+                assert "signal SIGKILL" in pool.stats().last_error
+        _wait(lambda: pool.stats().failed)
+        with pytest.raises(SamplerError, match=r"died with signal SIGKILL; it was restarted 1 times"):
+            pool.raise_if_failed()
+        assert cache.list_shards() == [], "a half-written shard is never published"
+    finally:
+        pool.stop(raise_on_failure=False)
+    assert temporaries(cache) == []
+
+
+def test_construction_errors(tmp_path, cache):
+    with pytest.raises(CacheFullError, match="larger than the capacity"):
+        SamplerPool(cache, stream_sample, shard_size="1GB")
+    assert SamplerPool(cache, stream_sample).shard_size == 16 * 10**6, "default: a quarter of a small capacity"
+    with pytest.raises(TypeError, match="must pickle"):
+        SamplerPool(cache, lambda rng: {"v": np.zeros(4)})
+    with pytest.raises(SchemaError, match="no schema"):
+        SamplerPool(Cache(tmp_path / "bare"), stream_sample)
+    with pytest.raises(ValueError, match="smaller than one record"):
+        SamplerPool(cache, stream_sample, shard_size=100)
+    with pytest.raises(ValueError, match="workers"):
+        SamplerPool(cache, stream_sample, workers=0)
+
+
+# -- a real S3 server ---------------------------------------------------------------------
+WINDOW_SCHEMA = Schema({"x": ("float32", (8, 16))})
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def test_pool_survives_an_s3_server_restart(s3_server, s3, tmp_path):
+    s3.put("arr/a.npy", _npy(np.arange(200 * 16, dtype=np.float32).reshape(200, 16)))
+    patient = RetryPolicy(attempts=60, initial_delay=0.05, max_delay=0.25)
+    source = NpyWindowSource(f"{s3.url}/arr/*.npy", 8, storage_options=s3.storage_options, retry=patient)
+    cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
+    with SamplerPool(cache, source, workers=1, shard_size="64KB", max_shard_age=0.2) as pool:
+        pool.wait_for(records=50, timeout=60)
+        s3_server.stop()
+        time.sleep(1.5)
+        during = pool.stats().records_written
+        time.sleep(0.5)
+        assert pool.stats().records_written == during, "no samples while the store is down"
+        s3_server.start()
+        pool.wait_for(records=during + 50, timeout=60)
+        stats = pool.stats()
+    assert stats.restarts == 0 and not stats.failed, "retries absorbed the outage"
+    rows = np.arange(200 * 16, dtype=np.float32).reshape(200, 16)
+    for record in read_records(cache)[:20]:
+        first = int(record["x"][0, 0]) // 16
+        assert np.array_equal(record["x"], rows[first:first + 8])
+
+
+PLANTED = "PLANTED-pool-s3cr3t-4c4c"
+
+
+def test_missing_bucket_fails_the_pool_at_once_without_secrets(s3_server, s3, tmp_path):
+    options = s3_server.storage_options(secret=PLANTED)
+    source = NpyWindowSource("s3://no-such-bucket-here/*.npy", 8, storage_options=options)
+    cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
+    start = time.monotonic()
+    with pytest.raises(SamplerError) as info:
+        with SamplerPool(cache, source, workers=2) as pool:
+            pool.wait_for(records=1, timeout=60)
+    assert time.monotonic() - start < 20
+    assert "s3://no-such-bucket-here/*.npy" in str(info.value)
+    assert PLANTED not in str(info.value) and PLANTED not in info.value.worker_traceback
+    assert isinstance(info.value.__cause__, SourceError) and pool.stats().restarts == 0
+
+
+def test_store_down_for_good_is_retried_restarted_then_raised(s3_server, tmp_path):
+    options = s3_server.storage_options(client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    source = NpyWindowSource("s3://growcache-test/a.npy", 8, storage_options=options,
+                             retry=RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02))
+    cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
+    pool = SamplerPool(cache, source, workers=1, max_restarts=1).start()
+    with pytest.raises(SamplerError, match="kept failing after 2 attempts.*restarted 1 times") as info:
+        pool.wait_for(records=1, timeout=60)
+    assert isinstance(info.value.__cause__, TransientSourceError) and pool.stats().restarts == 1
+    pool.stop()
+
+
+def test_storage_option_parsing():
+    assert _parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
+        "anon": True, "client_kwargs": {"endpoint_url": "http://h:9"}, "key": "abc"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _parse_storage_options(["novalue"])
