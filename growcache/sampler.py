@@ -516,10 +516,22 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _peak_rss_kb() -> int:
+    """Peak resident memory of this process in KiB.
+
+    ``VmHWM`` rather than ``ru_maxrss``: the latter survives ``exec``, so a spawned worker
+    would report the peak of the training process it was forked from.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     except (ImportError, OSError):
         return 0
 

@@ -309,3 +309,45 @@ def test_storage_option_parsing():
         "anon": True, "client_kwargs": {"endpoint_url": "http://h:9"}, "key": "abc"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _parse_storage_options(["novalue"])
+
+
+def test_throughput_benchmark_quick(tmp_path):
+    """The benchmark runs end to end on tiny data (no speed asserted) and reports every figure."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import sampler_throughput
+
+    out = tmp_path / "bench.json"
+    results = sampler_throughput.main(sampler_throughput.parse_args(["--quick", "--json", str(out)]))
+    assert json.loads(out.read_text())["total_bytes"] == results["total_bytes"]
+    assert results["plain_write"]["MBps"] > 0
+    for workers in (1, 2):
+        run = results[f"sampler_{workers}w"]
+        assert run["records"] * (1 << 20) == run["payload_bytes"] >= results["total_bytes"]
+        assert run["MBps"] > 0 and len(run["worker_peak_rss_MB"]) == workers
+        assert all(0 < rss < 1000 for rss in run["worker_peak_rss_MB"])
+    assert set(results["targets"]["sampler_vs_plain_write"]) == {"target", "1w", "2w"}
+
+
+def test_run_sample_command_takes_the_schema_from_the_source(tmp_path):
+    import argparse
+
+    from growcache.sampler import run_sample_command
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    rows = np.arange(50 * 3, dtype=np.int32).reshape(50, 3)
+    np.save(remote / "a.npy", rows)
+    args = argparse.Namespace(source=f"file://{remote}/*.npy", cache=str(tmp_path / "cli-cache"), capacity="10MB",
+                              workers=1, window=4, feature="x", dtype=None, shape=None, storage_option=[],
+                              records=30, shard_size="1KB", max_shard_age=0.5, seed=0, quiet=True)
+    assert run_sample_command(args) == 0
+    cache = Cache(args.cache)
+    assert cache.schema == Schema({"x": ("int32", (4, 3))})
+    records = read_records(cache)
+    assert len(records) >= 30 and temporaries(cache) == []
+    for record in records:
+        first = int(record["x"][0, 0]) // 3
+        assert np.array_equal(record["x"], rows[first:first + 4])

@@ -1,0 +1,189 @@
+"""Sampler write throughput: SamplerPool from a file:// source of .npy arrays into a cache.
+
+Measured in one run, on the same payload bytes:
+
+* ``plain_write``: sequential ``write`` of 1 MiB buffers into shard-sized files, each
+  fsynced, as ShardWriter does: the write limit of this disk;
+* ``sampler_<N>w``: a :class:`growcache.SamplerPool` with N workers drawing 1 MiB windows
+  (one row of a float32 ``.npy`` array) from ``file://`` by byte range, validating,
+  encoding, CRC-ing and publishing shards durably.
+
+Reported per run: aggregate payload MB/s (from the first record to the target, and
+including process start-up), each worker's peak RSS, and its RSS sampled over time (to
+show it stays flat). Everything is written under a temporary directory, removed at exit.
+
+Usage::
+
+    python benchmarks/sampler_throughput.py [--total 1GiB] [--workers 1 2] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from growcache import Cache, Schema, parse_size
+from growcache.sampler import SamplerPool
+from growcache.sources import NpyWindowSource
+
+TARGETS = {"sampler_vs_plain_write": 0.7}
+ROW_BYTES = 1 << 20  # one sample: a 1 MiB row of float32
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total", default="1GiB", help="payload bytes each contender writes (default 1GiB)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
+    parser.add_argument("--shard-size", default="256MB", help="shard size (default 256MB, the pool's default)")
+    parser.add_argument("--source-rows", type=int, default=256, help="1 MiB rows in the source arrays (default 256)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
+    parser.add_argument("--json", default=None, help="write all figures to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.total, args.shard_size, args.source_rows = "24MiB", "8MiB", 16
+    return args
+
+
+def _make_source(root: str, rows: int) -> str:
+    """Four .npy files of ``rows / 4`` rows of 1 MiB each; returns their glob."""
+    os.makedirs(root)
+    rng = np.random.default_rng(0)
+    per_file = max(1, rows // 4)
+    for i in range(4):
+        array = rng.integers(0, 2**32, (per_file, ROW_BYTES // 4), dtype=np.uint32).view(np.float32)
+        np.save(os.path.join(root, f"part-{i}.npy"), array)
+    return f"file://{root}/part-*.npy"
+
+
+def _plain_write(directory: str, total: int, shard_size: int) -> dict[str, float]:
+    """Sequential 1 MiB writes into shard-sized files, each fsynced: the disk's limit here."""
+    os.makedirs(directory)
+    buffers = [np.random.default_rng(i).bytes(ROW_BYTES) for i in range(8)]
+    start = time.perf_counter()
+    written = 0
+    index = 0
+    while written < total:
+        path = os.path.join(directory, f"plain-{index}.bin")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            in_file = 0
+            while in_file + ROW_BYTES <= shard_size and written < total:
+                os.write(fd, buffers[(written // ROW_BYTES) % len(buffers)])
+                in_file += ROW_BYTES
+                written += ROW_BYTES
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        index += 1
+    seconds = time.perf_counter() - start
+    shutil.rmtree(directory)
+    return {"seconds": seconds, "bytes": written, "MBps": written / seconds / 1e6}
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def _sampler(directory: str, source_url: str, workers: int, total: int, shard_size: int) -> dict[str, object]:
+    records = total // ROW_BYTES
+    schema = Schema({"x": ("float32", (1, ROW_BYTES // 4))})  # a window of one row
+    # Room for everything written, so eviction never runs: this measures writing.
+    cache = Cache(directory, capacity=total + 2 * workers * shard_size + (64 << 20), schema=schema)
+    source = NpyWindowSource(source_url, 1, header_bytes=4096)
+    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size, max_shard_age=None, seed=0)
+    rss_trace: dict[int, list[tuple[float, int]]] = {}
+    t0 = time.perf_counter()
+    first = None
+    with pool:
+        while True:
+            stats = pool.stats()
+            now = time.perf_counter()
+            if first is None and stats.records_written > 0:
+                first = (now, stats.records_written)
+            for index, pid in enumerate(pool.pids):
+                rss = _rss(pid)
+                if rss is not None:
+                    rss_trace.setdefault(index, []).append((round(now - t0, 2), rss))
+            pool.raise_if_failed()
+            if stats.records >= records:
+                break
+            time.sleep(0.02)
+        end = time.perf_counter()
+    final = pool.stats()  # after stop: every worker has recorded its peak RSS
+    payload = final.records * ROW_BYTES
+    # Steady state: from the first record seen to the target (spawn and imports left out).
+    steady_bytes = (final.records - (first[1] if first else 0)) * ROW_BYTES
+    result = {
+        "workers": workers,
+        "records": final.records,
+        "payload_bytes": payload,
+        "shards": final.shards,
+        "seconds_with_startup": end - t0,
+        "MBps_with_startup": payload / (end - t0) / 1e6,
+        # Too short a run to tell start-up from steady state: report the whole run.
+        "MBps": (steady_bytes / (end - first[0]) / 1e6 if first and end - first[0] > 0.2 and steady_bytes > 0
+                 else payload / (end - t0) / 1e6),
+        "worker_peak_rss_MB": [round(r / 1e6, 1) for r in final.worker_peak_rss],
+        "worker_rss_MB_first_last_quarter": {
+            str(i): _quarters(trace) for i, trace in rss_trace.items()
+        },
+    }
+    shutil.rmtree(directory)
+    return result
+
+
+def _quarters(trace: list[tuple[float, int]]) -> list[float]:
+    """Max RSS (MB) in the first and the last quarter of the run: equal when RSS is flat."""
+    n = max(1, len(trace) // 4)
+    return [round(max(r for _, r in trace[:n]) / 1e6, 1), round(max(r for _, r in trace[-n:]) / 1e6, 1)]
+
+
+def main(args: argparse.Namespace) -> dict[str, object]:
+    total = parse_size(args.total, name="total")
+    shard_size = parse_size(args.shard_size, name="shard_size")
+    scratch = args.dir or tempfile.mkdtemp(prefix="growcache-sampler-bench-")
+    try:
+        source_url = _make_source(os.path.join(scratch, "source"), args.source_rows)
+        results: dict[str, object] = {
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+            "total_bytes": total,
+            "sample_bytes": ROW_BYTES,
+            "shard_size": shard_size,
+            "plain_write": _plain_write(os.path.join(scratch, "plain"), total, shard_size),
+        }
+        for workers in args.workers:
+            results[f"sampler_{workers}w"] = _sampler(os.path.join(scratch, f"cache-{workers}"), source_url,
+                                                      workers, total, shard_size)
+        plain = results["plain_write"]["MBps"]  # type: ignore[index]
+        results["targets"] = {
+            name: {"target": target, **{
+                f"{w}w": round(results[f"sampler_{w}w"]["MBps"] / plain, 3)  # type: ignore[index]
+                for w in args.workers}}
+            for name, target in TARGETS.items()
+        }
+    finally:
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    text = json.dumps(results, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main(parse_args())
