@@ -402,7 +402,8 @@ def run_growth(spec: dict) -> dict:
         if adapter == "tf":
             _tf_imports()
             make = _growcache_attr("make_tf_dataset")
-            data = make(cache, spec["batch_size"], **spec.get("tf_adapter_kwargs", {}))
+            # Built before the samplers publish anything, as a training script would be.
+            data = make(cache, spec["batch_size"], wait_for_shards=60, **spec.get("tf_adapter_kwargs", {}))
 
             def count(batch):
                 features = batch[0] if isinstance(batch, tuple) else batch
@@ -411,7 +412,7 @@ def run_growth(spec: dict) -> dict:
             import torch  # noqa: F401
 
             make = _growcache_attr("make_torch_loader")
-            data = make(cache, spec["batch_size"], num_workers=spec["loader_workers"],
+            data = make(cache, spec["batch_size"], num_workers=spec["loader_workers"], wait_for_shards=60,
                         **spec.get("torch_adapter_kwargs", {}))
 
             def count(batch):
