@@ -23,7 +23,7 @@ from .records import iter_records
 from .schema import Schema
 from .shard import TMP_PREFIX, ShardInfo
 from .snapshot import Snapshot
-from .writer import ShardWriter, temp_owner, temp_shard_name
+from .writer import ShardWriter, raise_if_disk_full, temp_owner, temp_shard_name
 
 __all__ = ["Cache", "CacheStats", "VerifyReport"]
 
@@ -185,6 +185,9 @@ class Cache:
     def snapshot(self, *, holder: str = "") -> Snapshot:
         """The shards that exist now, leased so eviction keeps them until the snapshot closes.
 
+        A snapshot holds at most the capacity: older shards that only another live snapshot
+        keeps on disk (beyond what the budget allows) are left out, so they go when it ends.
+
         Args:
             holder: a label stored in the lease, shown by ``growcache status``. Default: ``""``.
         """
@@ -197,7 +200,18 @@ class Cache:
             if victims:
                 self._delete(victims)
             shards = self.list_shards()
-            lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
+            # Shards the budget would evict but for another snapshot's lease stay out of this
+            # one. Readers whose epochs overlap (two frameworks, DDP ranks) would otherwise
+            # re-lease each other's oldest shards forever, and the cache would never shrink.
+            beyond = self.eviction_policy(shards, (), self.capacity, 0, time.time())
+            if beyond:
+                dropped = {s.seq for s in beyond}
+                shards = [s for s in shards if s.seq not in dropped]
+            try:
+                lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
+            except OSError as exc:
+                raise_if_disk_full(exc, self.path, "writing a snapshot's lease; no shard was leased")
+                raise
         return Snapshot(shards, lease)
 
     # -- writing ----------------------------------------------------------------------------
@@ -286,17 +300,24 @@ class Cache:
             with self._locked():
                 victims = self._choose_victims(incoming=nbytes)
                 if victims is not None:
-                    self._delete(victims)
-                    state = self._manifest.read_state()
-                    seq = state["next_seq"]
-                    info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
-                                     records, nbytes)
+                    try:
+                        self._delete(victims)
+                        state = self._manifest.read_state()
+                        seq = state["next_seq"]
+                        info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
+                                         records, nbytes)
+                        # The counters go first: if they cannot be written (a full disk), nothing is
+                        # published, and a sequence number is never handed out twice (a second shard
+                        # of the same size would replace a published one).
+                        state["next_seq"] = seq + 1
+                        state["published"] += 1
+                        state["published_bytes"] += nbytes
+                        self._manifest.write_state(state)
+                    except OSError as exc:
+                        raise_if_disk_full(exc, self.path, f"publishing {tmp_path}; nothing was published")
+                        raise
                     os.replace(tmp_path, info.path)
                     fsync_dir(self.shards_dir)
-                    state["next_seq"] = seq + 1
-                    state["published"] += 1
-                    state["published_bytes"] += nbytes
-                    self._manifest.write_state(state)
                     logger.debug("published %s (%d records, %d bytes)", info.path, records, nbytes)
                     return info
             # Every shard that could go is leased: the writer waits, the trainer never does.

@@ -155,11 +155,7 @@ class ShardWriter:
                     buffers[0] = memoryview(buffers[0]).cast("B")[written:]
         except OSError as exc:
             self.abort()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise CacheFullError(
-                    f"the disk holding {self.cache.path} is full while writing {self.path}; the partial shard "
-                    "was removed and published shards are untouched. Free disk space or lower the cache capacity."
-                ) from exc
+            raise_if_disk_full(exc, self.cache.path, f"writing {self.path}; the partial shard was removed")
             raise
 
     def close(self) -> ShardInfo | None:
@@ -177,7 +173,12 @@ class ShardWriter:
             return None
         self._flush()
         if self.durable:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)  # a filesystem that allocates late reports a full disk here
+            except OSError as exc:
+                self.abort()
+                raise_if_disk_full(exc, self.cache.path, f"writing {self.path}; the partial shard was removed")
+                raise
         os.close(self._fd)
         self._fd = None
         try:
@@ -198,6 +199,21 @@ class ShardWriter:
             self._fd = None
         self._pending = []
         _unlink_quiet(self.path)
+
+
+def raise_if_disk_full(exc: OSError, path: str, doing: str) -> None:
+    """Raise a :class:`CacheFullError` from ``exc`` if it says the disk is full (``ENOSPC``, ``EDQUOT``).
+
+    Args:
+        exc: the error an ``os`` call raised.
+        path: the cache directory, for the message.
+        doing: what failed, and what was cleaned up.
+    """
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise CacheFullError(
+            f"the disk holding cache {path} is full ({exc.strerror}) while {doing}. Published shards are "
+            "untouched. Free disk space, or lower the cache capacity to leave room on the disk."
+        ) from exc
 
 
 def _unlink_quiet(path: str) -> None:
