@@ -98,6 +98,21 @@ def test_lease_lives_until_the_iterator_is_exhausted_or_deleted(id_cache):
     assert id_cache.stats().leases == 0
 
 
+def test_untracked_iterator_abandoned_mid_epoch_frees_its_lease_at_its_next_epoch(id_cache):
+    # A dataset derived from ours (as tf.distribute builds) is iterated without our iter()
+    # hook: an epoch it abandons ends when it starts the next one, never earlier.
+    write_shards(id_cache, [8, 8])
+    ds = make_tf_dataset(id_cache, 2, seed=0, shuffle_buffer=0).take(100)
+    first = iter(ds)
+    next(first)
+    assert id_cache.stats().leases == 1
+    second = iter(ds)
+    got = [int(i) for b in second for i in b["id"].numpy()]
+    assert sorted(got) == list(range(16))
+    assert id_cache.stats().leases == 0
+    del first, second
+
+
 def test_eviction_during_an_epoch_spares_leased_shards(tmp_path):
     shard_bytes_probe = Cache(tmp_path / "probe", capacity="1GB", schema=ID_SCHEMA)
     write_shards(shard_bytes_probe, [10])
