@@ -96,6 +96,17 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from .sampler import run_sample_command
+
+    try:
+        return run_sample_command(args)
+    except ValueError as exc:  # a bad --storage-option, --shape or window given on the command line
+        if isinstance(exc, GrowcacheError):
+            raise
+        raise _UsageError(str(exc)) from exc
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -140,6 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--to", type=_size_arg, default=None, help="target size, e.g. 10GB (default: the capacity)")
     p.set_defaults(func=_cmd_prune)
+
+    p = sub.add_parser("sample", help="grow a cache from a store URL with sampler processes until Ctrl-C or --records")
+    p.add_argument("source", help="fsspec URL or glob of the objects, e.g. s3://bucket/arrays/*.npy")
+    p.add_argument("cache", help="the cache directory (created if missing)")
+    p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
+    p.add_argument("--workers", type=int, default=1, help="sampler processes (default: 1)")
+    p.add_argument("--window", type=int, default=None,
+                   help="rows per sample: random windows of .npy arrays read by byte range (default: whole objects)")
+    p.add_argument("--feature", default="x", help="feature name of the sampled array (default: x)")
+    p.add_argument("--dtype", default=None, help="dtype of raw (non-.npy) objects; needs --shape")
+    p.add_argument("--shape", default=None, help="shape of raw objects, e.g. 256,256")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to fsspec; nested keys with dots (client_kwargs.endpoint_url=http://...); repeatable")
+    p.add_argument("--records", type=int, default=None, help="stop after this many records (default: run until Ctrl-C)")
+    p.add_argument("--shard-size", type=_size_arg, default=None, help="rotate shards at this size (default: the pool's)")
+    p.add_argument("--max-shard-age", type=float, default=10.0, help="rotate shards after this many seconds (default: 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samplers' random streams (default: 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_sample)
 
     from .demo import add_demo_arguments
 

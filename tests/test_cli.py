@@ -49,3 +49,33 @@ def test_console_script_is_installed(id_cache):
     exe = os.path.join(os.path.dirname(sys.executable), "growcache")
     result = subprocess.run([exe, "status", id_cache.path], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "budget" in result.stdout
+
+
+def test_sample_grows_a_cache_from_a_store_url(tmp_path):
+    import numpy as np
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    rows = np.arange(40 * 3, dtype=np.int32).reshape(40, 3)
+    np.save(remote / "a.npy", rows)
+    cache_dir = tmp_path / "cli-cache"
+    exe = os.path.join(os.path.dirname(sys.executable), "growcache")
+    result = subprocess.run(
+        [exe, "sample", f"file://{remote}/*.npy", str(cache_dir), "--capacity", "10MB", "--workers", "2",
+         "--window", "4", "--records", "40", "--shard-size", "1KB", "--max-shard-age", "0.5", "-q"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    cache = Cache(cache_dir)
+    assert cache.schema is not None and cache.schema["x"].shape == (4, 3)
+    assert cache.stats().records >= 1 and cache.stats().temporaries == 0
+
+
+def test_sample_usage_and_store_errors(tmp_path, capsys):
+    assert main(["sample", str(tmp_path)]) == 2  # no cache path
+    assert main(["sample", "file:///x/*.npy", str(tmp_path / "c"), "--storage-option", "novalue"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["sample", f"file://{empty}/*.npy", str(tmp_path / "c2"), "--records", "1", "-q"]) == 1
+    assert str(empty) in capsys.readouterr().err
