@@ -22,6 +22,7 @@ import os
 import queue as queue_module
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from growcache.batching import BatchReader, ReaderShare, Skipped, growcache_frames
+from growcache.batching import BatchReader, ReaderShare, Skipped, default_shuffle_buffer, growcache_frames
 from growcache.cache import Cache
 from growcache.errors import CorruptShardError, EmptyCacheError, GrowcacheError, SchemaError
 from growcache.planning import plan_epoch
@@ -115,8 +116,9 @@ class _CacheStream(IterableDataset):
     """The dataset every worker iterates: one epoch share per ``__iter__``."""
 
     def __init__(self, schema: Any, batch_size: int, drop_last: bool, verify: bool, on_corrupt: str,
-                 reader: str, slabs: list[Slab], channels: list[Any], generation: Any) -> None:
+                 reader: str, slabs: list[Slab], channels: list[Any], generation: Any, shuffle_buffer: int) -> None:
         self.schema = schema
+        self.shuffle_buffer = shuffle_buffer
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.verify = verify
@@ -141,7 +143,8 @@ class _CacheStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         reader = BatchReader(self.schema, self.batch_size, frames=_FRAMES[self.reader], verify=self.verify,
-                             on_corrupt=self.on_corrupt, drop_last=self.drop_last)
+                             on_corrupt=self.on_corrupt, drop_last=self.drop_last,
+                             shuffle_buffer=self.shuffle_buffer)
         if info is None:
             message = self.local
             slab = None
@@ -248,10 +251,23 @@ class GrowcacheLoader(DataLoader):
             dist.all_gather_object(seqs, [s.seq for s in shards])
             common = set.intersection(*(set(s) for s in seqs))
             shards = [s for s in shards if s.seq in common]
+            if not shards:  # every rank sees the same intersection, so every rank raises
+                snapshot.close()
+                raise EmptyCacheError(
+                    f"the {world} ranks leased no shard in common in cache {self._cache.path}: it turned over "
+                    "completely between their snapshots (each rank takes its own when its epoch starts). "
+                    "Raise the capacity so that it holds several shards, or start epochs on all ranks together."
+                )
         plan = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed, world_size=world,
                           num_workers=self.num_workers, batch_size=stream.batch_size,
                           drop_last=stream.drop_last, even_batches=self._even)
         self.last_plan = plan
+        if plan.rank_batches(rank) == 0:
+            logger.warning(
+                "epoch %d yields no batch on rank %d: %d records over %d ranks x %d readers with batch_size=%d%s",
+                plan.epoch, rank, sum(s.records for s in shards), world, max(self.num_workers, 1),
+                stream.batch_size, " and drop_last=True" if stream.drop_last else "",
+            )
         paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
         records = np.array([s.records for s in shards], dtype=np.int64)
         top_up = self._even and world > 1
@@ -262,7 +278,8 @@ class GrowcacheLoader(DataLoader):
         for worker in range(max(self.num_workers, 1)):
             r = plan.reader(rank, worker)
             share = ReaderShare(paths, records, plan.shards[r], int(plan.quotas[r]) if top_up or world > 1 else -1,
-                                plan.cycle[r] if top_up else np.empty(0, np.int64))
+                                plan.cycle[r] if top_up else np.empty(0, np.int64),
+                                shuffle_seed=int(np.random.default_rng([self._seed, plan.epoch, r]).integers(2**62)))
             held = stream.slabs[worker].held_tokens() if self.num_workers else []
             message = _EpochMessage(generation, share, held)
             if self.num_workers:
@@ -308,7 +325,7 @@ def make_torch_loader(
     batch_size: int,
     *,
     num_workers: int = 2,
-    shuffle_buffer: int = 0,
+    shuffle_buffer: int | None = None,
     seed: int | None = None,
     drop_last: bool = False,
     pin_memory: bool = False,
@@ -333,9 +350,13 @@ def make_torch_loader(
         batch_size: records per batch.
         num_workers: DataLoader worker processes; ``0`` reads in the training process.
             Default: ``2``.
-        shuffle_buffer: only ``0`` is supported: shards are shuffled per ``(seed, epoch)``
-            and records inside a shard are already in random order (samplers draw them
-            at random). Default: ``0``.
+        shuffle_buffer: records in each reader's shuffle buffer (see
+            :class:`~growcache.batching.BatchReader`): each record read replaces a random
+            one of them, which goes into the batch, so batches mix neighbouring shards and
+            differ from epoch to epoch. Costs one more copy per record, in the worker, and
+            ``shuffle_buffer`` records of memory per worker. ``0``: batches hold
+            consecutive records of a shard (shards are still shuffled per epoch).
+            Default: about 32 MiB of records and at least two batches, at most 8192 records.
         seed: shard shuffle seed; the same on every rank. Default: ``None`` = ``0``.
         drop_last: drop each reader's last partial batch. Default: ``False``.
         pin_memory: copy every batch to pinned memory (for GPU training). Default: ``False``.
@@ -365,20 +386,29 @@ def make_torch_loader(
         raise SchemaError(f"cache {cache.path} has no schema: open it with Cache(path, schema=...) first")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if shuffle_buffer:
-        raise ValueError("shuffle_buffer > 0 is not supported: records are shuffled by shard per epoch, and "
-                         "samplers write records in random order; pass shuffle_buffer=0")
+    if shuffle_buffer is None:
+        shuffle_buffer = default_shuffle_buffer(cache.schema, batch_size)
+    if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {shuffle_buffer!r}")
+    if on_corrupt not in ("raise", "skip"):
+        raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
     if reader not in _FRAMES:
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
+    if pin_memory and not torch.cuda.is_available():
+        # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
+        warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
+                      stacklevel=2)
+        pin_memory = False
     context = multiprocessing_context
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)
     mp = context if context is not None else torch.multiprocessing
     channels = [mp.Queue() for _ in range(num_workers)]
     generation = mp.Value("q", 0, lock=False)
-    stream = _CacheStream(cache.schema, batch_size, drop_last, verify, on_corrupt, reader, [], channels, generation)
+    stream = _CacheStream(cache.schema, batch_size, drop_last, verify, on_corrupt, reader, [], channels, generation,
+                          shuffle_buffer)
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
         cache, stream, seed=0 if seed is None else int(seed), even_batches=even_batches,

@@ -22,7 +22,7 @@ from .example import ExampleCodec
 from .records import iter_records
 from .schema import Schema
 
-__all__ = ["BatchReader", "Frames", "ReaderShare", "Skipped", "growcache_frames"]
+__all__ = ["BatchReader", "Frames", "ReaderShare", "Skipped", "default_shuffle_buffer", "growcache_frames"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,20 @@ Frames = Callable[[str, bool], Iterator[tuple[int, memoryview]]]
 
 #: Allocates a batch: ``(batch_size) -> (key, {name: array of batch_size rows})``.
 Allocate = Callable[[int], tuple[object, dict[str, np.ndarray]]]
+
+
+_SHUFFLE_BYTES = 32 << 20
+_SHUFFLE_MAX_RECORDS = 8192
+
+
+def default_shuffle_buffer(schema: Schema, batch_size: int) -> int:
+    """Records in a reader's default shuffle buffer: about 32 MiB, at least two batches, at most 8192.
+
+    Small enough that a worker refills it in milliseconds at an epoch's start, large
+    enough that no two epochs share a batch.
+    """
+    by_bytes = _SHUFFLE_BYTES // max(schema.record_payload_bytes, 1)
+    return int(min(max(by_bytes, 2 * batch_size), max(_SHUFFLE_MAX_RECORDS, 2 * batch_size)))
 
 
 def growcache_frames(path: str, verify: bool) -> Iterator[tuple[int, memoryview]]:
@@ -60,6 +74,7 @@ class ReaderShare:
         quota: records this reader yields; ``-1`` for "all of its shards".
         cycle: indices to cycle through if the shards run out before ``quota``
             (a top up); empty for none.
+        shuffle_seed: seed of the record shuffle buffer for this reader and epoch.
     """
 
     paths: np.ndarray
@@ -67,6 +82,7 @@ class ReaderShare:
     shards: np.ndarray
     quota: int = -1
     cycle: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    shuffle_seed: int = 0
 
 
 class BatchReader:
@@ -81,6 +97,11 @@ class BatchReader:
             shard from the bad record on (framing cannot be trusted past it) and yield a
             :class:`Skipped` note. Default: ``"raise"``.
         drop_last: drop the final partial batch. Default: ``False``.
+        shuffle_buffer: records held in a shuffle buffer; each record read replaces a
+            random one of them, which goes into the batch (as ``tf.data``'s ``shuffle``).
+            Mixes records across neighbouring shards and changes every batch's members
+            from epoch to epoch, at the cost of one more copy per record. ``0``: records
+            go into batches in shard order. Default: ``0``.
     """
 
     def __init__(
@@ -92,9 +113,12 @@ class BatchReader:
         verify: bool = True,
         on_corrupt: str = "raise",
         drop_last: bool = False,
+        shuffle_buffer: int = 0,
     ) -> None:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, (int, np.integer)) or shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {shuffle_buffer!r}")
         self.schema = schema
         self.codec = ExampleCodec(schema)
         self.batch_size = int(batch_size)
@@ -102,6 +126,7 @@ class BatchReader:
         self.verify = verify
         self.on_corrupt = on_corrupt
         self.drop_last = drop_last
+        self.shuffle_buffer = int(shuffle_buffer)
         self.records_read = 0
         self.records_skipped = 0
 
@@ -127,6 +152,32 @@ class BatchReader:
         key, arrays, rows = None, None, None
         filled = 0
         passes_without_records = 0
+        # The shuffle buffer: flat byte rows per feature, like a batch's. A record is copied
+        # in; the one it replaces is copied out into the batch.
+        pool_size = min(self.shuffle_buffer, quota)
+        pool = [np.empty((pool_size, nbytes), np.uint8) for _, _, nbytes in layout] if pool_size else []
+        pooled = 0
+        rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
+        draws = np.empty(0, np.int64)
+        drawn = 0
+
+        def next_row() -> None:
+            nonlocal key, arrays, rows, filled
+            if arrays is None:
+                key, arrays = allocate(batch_size)
+                # Flat byte rows per feature: one memcpy per payload, no dtype work.
+                rows = [arrays[n].reshape(batch_size, -1).view(np.uint8) for n in names]
+                filled = 0
+
+        def put(record: memoryview, targets: list[np.ndarray], row: int) -> None:
+            if self.codec.has_layout(record):
+                for dst, (_, offset, nbytes) in zip(targets, layout):
+                    dst[row] = np.frombuffer(record, np.uint8, nbytes, offset)
+            else:
+                views = self.codec.payload_views(record)
+                for dst, name in zip(targets, names):
+                    dst[row] = np.frombuffer(views[name], np.uint8)
+
         for index in self._shard_order(share):
             if remaining <= 0:
                 break
@@ -134,24 +185,27 @@ class BatchReader:
             got = 0
             try:
                 for _, record in self.frames(path, self.verify):
-                    if arrays is None:
-                        key, arrays = allocate(batch_size)
-                        # Flat byte rows per feature: one memcpy per payload, no dtype work.
-                        rows = [arrays[n].reshape(batch_size, -1).view(np.uint8) for n in names]
-                        filled = 0
-                    if self.codec.has_layout(record):
-                        for dst, (_, offset, nbytes) in zip(rows, layout):
-                            dst[filled] = np.frombuffer(record, np.uint8, nbytes, offset)
-                    else:
-                        views = self.codec.payload_views(record)
-                        for dst, name in zip(rows, names):
-                            dst[filled] = np.frombuffer(views[name], np.uint8)
-                    filled += 1
                     got += 1
                     remaining -= 1
-                    if filled == batch_size:
-                        yield key, arrays, filled
-                        arrays = None
+                    if pooled < pool_size:  # filling the buffer: nothing leaves yet
+                        put(record, pool, pooled)
+                        pooled += 1
+                    else:
+                        next_row()
+                        if pool_size:
+                            if drawn == draws.size:  # draw in blocks: one call per record costs more
+                                draws, drawn = rng.integers(pool_size, size=1024), 0
+                            slot = int(draws[drawn])
+                            drawn += 1
+                            for dst, src in zip(rows, pool):
+                                dst[filled] = src[slot]
+                            put(record, pool, slot)
+                        else:
+                            put(record, rows, filled)
+                        filled += 1
+                        if filled == batch_size:
+                            yield key, arrays, filled
+                            arrays = None
                     if remaining <= 0:
                         break
             except CorruptShardError as exc:
@@ -166,5 +220,13 @@ class BatchReader:
             passes_without_records = 0 if got else passes_without_records + 1
             if passes_without_records > len(share.shards) + len(share.cycle):
                 break
+        for slot in rng.permutation(pooled):  # drain what is left, in random order
+            next_row()
+            for dst, src in zip(rows, pool):
+                dst[filled] = src[slot]
+            filled += 1
+            if filled == batch_size:
+                yield key, arrays, filled
+                arrays = None
         if arrays is not None and filled and not self.drop_last:
             yield key, arrays, filled

@@ -67,3 +67,43 @@ def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path, drop_last):
             assert seen < set(written)
         else:
             assert seen == set(written)  # every record read; only top-up records repeat within a rank
+
+
+def _rank_without_common_shards(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import growcache
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    loader = growcache.make_torch_loader(cache_dirs[rank], 4, num_workers=0)
+    try:
+        next(iter(loader))
+        outcome = "no error"
+    except growcache.EmptyCacheError as exc:
+        outcome = str(exc)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_no_shard_in_common_all_raise_instead_of_an_empty_epoch(tmp_path):
+    import torch.multiprocessing as mp
+
+    from growcache import Cache
+
+    # What rank 1 sees once the cache turned over completely after rank 0's snapshot: the
+    # shards rank 0 holds (seq 1, 2) are gone, newer ones (seq 3, 4) took their place.
+    first = Cache(tmp_path / "a", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(first, [5, 5])
+    turned = Cache(tmp_path / "b", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(turned, [5, 5])
+    turned.evict(to=0)
+    write_shards(turned, [5, 5], first_id=10)
+    mp.spawn(_rank_without_common_shards, args=(2, [first.path, turned.path], _free_port(), str(tmp_path)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "no shard in common" in outcome and "Raise the capacity" in outcome

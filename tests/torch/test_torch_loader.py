@@ -250,3 +250,26 @@ def test_abandoned_epoch_then_next_epoch_is_complete(id_cache):
     del it
     assert sorted(_epoch(loader)) == written
     assert sorted(_epoch(loader)) == written
+
+
+def _batches(loader) -> list[frozenset[int]]:
+    return [frozenset(batch["id"].tolist()) for batch in loader]
+
+
+def test_record_shuffle_changes_batch_members_between_epochs(id_cache):
+    written = write_shards(id_cache, [16, 16, 16])
+    loader = make_torch_loader(id_cache, 4, num_workers=2, seed=5)  # default shuffle buffer
+    first, second = _batches(loader), _batches(loader)
+    assert sorted(i for b in first for i in b) == written and sorted(i for b in second for i in b) == written
+    assert set(first) != set(second)
+    # Without it, a shard read from its start always yields the same groups of 4.
+    plain = make_torch_loader(id_cache, 4, num_workers=0, shuffle_buffer=0, seed=5)
+    assert {b for b in _batches(plain) if len(b) == 4} & {b for b in _batches(plain) if len(b) == 4}
+
+
+def test_loader_arguments_are_checked_at_construction(id_cache):
+    write_shards(id_cache, [4])
+    with pytest.raises(ValueError, match="on_corrupt"):
+        make_torch_loader(id_cache, 4, on_corrupt="ignore")
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        make_torch_loader(id_cache, 4, shuffle_buffer=-3)
