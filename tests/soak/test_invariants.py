@@ -7,7 +7,7 @@ import hashlib
 import os
 
 import pytest
-from sized_fs import fill, free_bytes, size_limited_fs
+from sized_fs import fill, size_limited_fs
 
 from conftest import ID_SCHEMA, id_sample, write_shards
 from growcache import Cache, CacheFullError

@@ -1,0 +1,320 @@
+"""Security: hostile object names, planted credentials, planted pickles, file permissions.
+
+* Object names from a remote store are only ever store paths: keys with ``../`` or an absolute
+  path are sampled like any other, and nothing is written outside the cache directory.
+* ``storage_options`` credentials never reach a log, an error message, ``stats()``, a ``repr``
+  or the output of ``growcache sample`` and ``growcache status``.
+* Nothing read from a cache is unpickled: pickles planted as metadata, state, a lease or a
+  shard are refused with a clear error and never executed.
+* A new cache and every file it creates are owner-only whatever the umask, unless
+  ``Cache(mode=...)`` asks otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pytest
+from stores import free_port, s3, s3_server  # noqa: F401
+
+from conftest import ID_SCHEMA, id_sample, write_shards
+from growcache import Cache, CacheFormatError, CorruptShardError, SamplerError, SourceError
+from growcache.example import ExampleCodec
+from growcache.records import iter_records
+from growcache.sampler import SamplerPool, run_sample_command
+from growcache.shard import ShardInfo
+from growcache.sources import ObjectSource, RetryPolicy
+
+FAST = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def _files(root) -> set[str]:
+    return {os.path.join(d, n) for d, _, names in os.walk(root) for n in names}
+
+
+# -- hostile object names -------------------------------------------------------------------
+HOSTILE_KEYS = [
+    "data/ok.npy",
+    "data/../../evil.npy",
+    "data/../../../../../tmp/growcache-evil.npy",
+    "data/a/../../../../../../etc/growcache-evil.npy",
+    "data//x/../../shards/000000000001-1r-1b.tfrecord.npy",
+    "/abs/growcache-evil.npy",
+]
+
+
+def _naive_destinations(key: str, *bases: str) -> list[str]:
+    """Where a careless ``os.path.join(base, key)`` would have written ``key``."""
+    places = [os.path.normpath(os.path.join(base, key)) for base in bases]
+    places += [os.path.normpath(os.path.join(base, os.path.basename(key))) for base in bases]
+    return places + [os.path.normpath("/" + key.lstrip("/"))]
+
+
+def test_hostile_object_names_are_sampled_and_never_become_local_paths(s3_server, s3, tmp_path, monkeypatch):
+    for index, key in enumerate(HOSTILE_KEYS):
+        s3.fs().pipe_file(f"{s3.url[5:]}/{key}", _npy(np.full(3, index, np.float32)))
+    assert len(s3.fs().find(s3.url[5:])) == len(HOSTILE_KEYS)
+    work = tmp_path / "work" / "a" / "b" / "c"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)  # a relative "../../evil.npy" would land inside tmp_path
+    cache_dir = tmp_path / "deep" / "x" / "y" / "cache"
+    before = _files(tmp_path)
+    source = ObjectSource(f"{s3.url}/**/*.npy", storage_options=s3.storage_options)
+    assert sorted(p.split("/", 1)[1] for p in source.paths()) == sorted(HOSTILE_KEYS), "every key is listed"
+    cache = Cache(cache_dir, capacity="16MB", schema={"x": ("float32", (3,))})
+    with SamplerPool(cache, source, workers=1, shard_size="4KB", max_shard_age=0.2) as pool:
+        pool.wait_for(records=150, timeout=120)
+    # The command line takes the same path: `growcache sample URL CACHE --storage-option ...`.
+    cli_cache = tmp_path / "deep" / "cli-cache"
+    assert run_sample_command(_sample_args(f"{s3.url}/**/*.npy", cli_cache, s3.storage_options, records=40)) == 0
+
+    codec = ExampleCodec(cache.schema)
+    values = {int(codec.decode(record)["x"][0]) for c in (cache, Cache(cli_cache)) for shard in c.list_shards()
+              for _, record in iter_records(shard.path)}
+    assert values == set(range(len(HOSTILE_KEYS))), "every hostile key was sampled, as a store path"
+    created = _files(tmp_path) - before
+    for path in created:
+        assert path.startswith((str(cache_dir) + os.sep, str(cli_cache) + os.sep)), f"{path} is outside the cache"
+    for c in (cache, Cache(cli_cache)):
+        for path in _files(c.path):
+            name = os.path.relpath(path, c.path)
+            assert name in ("growcache.json", "state.json", ".lock") or (
+                name.startswith("shards" + os.sep) and ShardInfo.from_path(path) is not None), name
+    for key in HOSTILE_KEYS:
+        for place in _naive_destinations(key, str(cache_dir), str(cache_dir / "shards"), str(work)):
+            if place.startswith(str(cache_dir / "shards")) and ShardInfo.from_path(place):
+                continue  # a published shard's own name
+            assert not os.path.exists(place), f"{key!r} became the local file {place}"
+
+
+def _sample_args(source: str, cache, storage_options: dict, **extra) -> argparse.Namespace:
+    """`growcache sample` arguments as the parser produces them."""
+    options = [f"{k}={v}" if isinstance(v, str) else f"{k}={json.dumps(v)}" for k, v in storage_options.items()]
+    args = dict(source=source, cache=str(cache), capacity=16 * 10**6, workers=1, window=None, feature="x",
+                dtype=None, shape=None, storage_option=options, records=None, shard_size=4096,
+                max_shard_age=0.2, seed=0, quiet=True)
+    args.update(extra)
+    return argparse.Namespace(**args)
+
+
+# -- planted credentials ----------------------------------------------------------------------
+KEY = "PLANTEDKEYID7f3a"
+SECRET = "PLANTED-s3cr3t-9d1e/c0ffee+5eed"
+
+
+def _cli(*argv: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "growcache.cli", *argv], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+def test_planted_credentials_appear_in_no_output(s3_server, s3, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)  # every logger, growcache's and the store libraries'
+    s3.put("data/a.npy", _npy(np.ones(3, np.float32)))
+    options = s3_server.storage_options(key=KEY, secret=SECRET)
+    texts: dict[str, str] = {}
+
+    # Sampling that works: the pool, its figures, the cache's figures.
+    cache = Cache(tmp_path / "ok", capacity="16MB", schema={"x": ("float32", (3,))})
+    source = ObjectSource(f"{s3.url}/data/*.npy", storage_options=options)
+    pool = SamplerPool(cache, source, workers=1, shard_size="4KB", max_shard_age=0.2)
+    with pool:
+        pool.wait_for(records=20, timeout=120)
+        texts["pool repr"] = repr(pool)
+    texts.update({"source repr": repr(source), "pool stats": repr(pool.stats()), "cache stats": repr(cache.stats()),
+                  "cache repr": repr(cache)})
+
+    # Failures: a bucket that does not exist, a store that does not answer.
+    for name, url, opts in [
+        ("missing bucket", "s3://no-such-bucket-growcache/*.npy", options),
+        ("dead store", f"{s3.url}/data/*.npy",
+         dict(options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})),
+    ]:
+        failing = ObjectSource(url, storage_options=opts, retry=FAST)
+        with pytest.raises(SourceError) as direct:
+            failing(np.random.default_rng(0))
+        texts[f"{name}: error"] = "".join(traceback.format_exception(direct.value))
+        cache_dir = tmp_path / name.replace(" ", "-")
+        with pytest.raises(SamplerError) as info:
+            with SamplerPool(Cache(cache_dir, capacity="16MB", schema={"x": ("float32", (3,))}), failing,
+                             workers=1, max_restarts=0) as failed_pool:
+                failed_pool.wait_for(records=1, timeout=120)
+        texts[f"{name}: pool error"] = "".join(traceback.format_exception(info.value)) + info.value.worker_traceback
+        texts[f"{name}: pool stats"] = repr(failed_pool.stats())
+
+    # The command line: sample (working and failing, quiet and verbose) and status.
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    flags = [f"--storage-option={o}" for o in _sample_args("", "", options).storage_option]
+    cli_cache = str(tmp_path / "cli")
+    quick = ["--shard-size=4KB", "--max-shard-age=0.2"]
+    for name, argv in [
+        ("sample", ["sample", f"{s3.url}/data/*.npy", cli_cache, "--records=20", *quick, *flags]),
+        ("sample -v", ["-v", "sample", f"{s3.url}/data/*.npy", str(tmp_path / "cli-v"), "--records=20", *quick,
+                       *flags]),
+        ("sample missing bucket", ["sample", "s3://no-such-bucket-growcache/*.npy", str(tmp_path / "cli2"),
+                                   "--records=1", *flags]),
+        ("status", ["status", cli_cache]),
+        ("verify", ["verify", "-q", cli_cache]),
+    ]:
+        result = _cli(*argv, env=env)
+        texts[f"cli {name}"] = result.stdout + result.stderr
+        assert result.returncode == (1 if "missing" in name else 0), texts[f"cli {name}"]
+    assert "no-such-bucket-growcache" in texts["cli sample missing bucket"]
+    texts["logs"] = "\n".join(f"{r.name}: {r.getMessage()}" for r in caplog.records)
+    texts["growcache logs"] = "\n".join(f"{r.name}: {r.getMessage()}" for r in caplog.records
+                                        if r.name.startswith("growcache"))
+
+    assert {"botocore.endpoint", "s3fs"} <= {r.name for r in caplog.records}, "the store libraries' logs are grepped"
+    for name, text in texts.items():
+        assert SECRET not in text, f"the secret key leaked into {name}"
+        # botocore's DEBUG logs of request headers name the access key id (never the secret):
+        # see test_verbose_command_line_never_prints_the_access_key_id.
+        if name not in ("logs", "cli sample -v"):
+            assert KEY not in text, f"the access key id leaked into {name}"
+    assert "s3://no-such-bucket-growcache" in texts["missing bucket: pool error"]
+    assert "***" in texts["source repr"] and "127.0.0.1" in texts["dead store: error"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "`growcache -v` sets the root logger to DEBUG, so botocore's DEBUG log of each request's "
+    "Authorization header (which names the access key id, never the secret) reaches stderr. "
+    "Fix in growcache/cli.py: -v for growcache's own loggers only."))
+def test_verbose_command_line_never_prints_the_access_key_id(s3_server, s3, tmp_path):
+    s3.put("data/a.npy", _npy(np.ones(3, np.float32)))
+    options = s3_server.storage_options(key=KEY, secret=SECRET)
+    flags = [f"--storage-option={o}" for o in _sample_args("", "", options).storage_option]
+    result = _cli("-v", "sample", f"{s3.url}/data/*.npy", str(tmp_path / "c"), "--records=5", "--max-shard-age=0.2",
+                  "-q", *flags, env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert result.returncode == 0, result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    assert KEY not in result.stdout + result.stderr
+
+
+# -- planted pickles --------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this creates a directory: proof that something was unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _plant_metadata(cache: Cache, evil: bytes) -> None:
+    with open(os.path.join(cache.path, "growcache.json"), "wb") as f:
+        f.write(evil)
+    Cache(cache.path)
+
+
+def _plant_state(cache: Cache, evil: bytes) -> None:
+    with open(os.path.join(cache.path, "state.json"), "wb") as f:
+        f.write(evil)
+    cache.stats()
+
+
+def _plant_lease(cache: Cache, evil: bytes) -> None:
+    with open(os.path.join(cache.path, "leases", f"{os.getpid()}-planted.json"), "wb") as f:
+        f.write(evil)
+    cache.snapshot()
+
+
+def _plant_shard(cache: Cache, evil: bytes) -> None:
+    path = os.path.join(cache.shards_dir, ShardInfo.file_name(99, 1, len(evil)))
+    with open(path, "wb") as f:
+        f.write(evil)
+    report = cache.verify()
+    for _ in iter_records(path):
+        pass
+    raise report.corrupt[0]
+
+
+def _plant_added_shard(cache: Cache, evil: bytes) -> None:
+    path = os.path.join(os.path.dirname(cache.path), "evil.tfrecord")
+    with open(path, "wb") as f:
+        f.write(evil)
+    cache.add_shard(path)
+
+
+@pytest.mark.parametrize("plant, error, fragment", [
+    (_plant_metadata, CacheFormatError, "growcache.json is not valid JSON"),
+    (_plant_state, CacheFormatError, "state.json is not valid JSON"),
+    (_plant_lease, CacheFormatError, "planted.json is not valid JSON"),
+    (_plant_shard, CorruptShardError, "000000000099-1r-"),
+    (_plant_added_shard, CorruptShardError, "evil.tfrecord"),
+], ids=["metadata", "state", "lease", "shard", "added-shard"])
+def test_planted_pickles_are_refused_never_unpickled(tmp_path, plant, error, fragment):
+    cache = Cache(tmp_path / "cache", schema=ID_SCHEMA)
+    write_shards(cache, [3])
+    marker = str(tmp_path / "unpickled")
+    evil = pickle.dumps(_Payload(marker))
+    assert b"mkdir" in evil
+    with pytest.raises(error, match=fragment):
+        plant(cache, evil)
+    assert not os.path.exists(marker), "a planted pickle was executed"
+
+
+# -- permissions ------------------------------------------------------------------------------
+def _modes(cache: Cache, elsewhere) -> dict[str, int]:
+    """Permission bits of the cache's directories and of every kind of file it creates."""
+    write_shards(cache, [2])
+    with cache.writer() as writer:
+        writer.write(id_sample(7))
+        modes = {"temporary shard": stat.S_IMODE(os.stat(writer.path).st_mode)}
+    foreign = os.path.join(elsewhere, "foreign.tfrecord")
+    with open(foreign, "wb") as f:
+        f.write(open(cache.list_shards()[0].path, "rb").read())
+    os.chmod(foreign, 0o644)  # a world-readable file added to the cache becomes the cache's
+    added = cache.add_shard(foreign)
+    with cache.snapshot():
+        leases = os.path.join(cache.path, "leases")
+        paths = {
+            "cache dir": cache.path,
+            "shards dir": cache.shards_dir,
+            "leases dir": leases,
+            "metadata": os.path.join(cache.path, "growcache.json"),
+            "state": os.path.join(cache.path, "state.json"),
+            "lock": os.path.join(cache.path, ".lock"),
+            "shard": cache.list_shards()[0].path,
+            "added shard": added.path,
+            "lease": os.path.join(leases, os.listdir(leases)[0]),
+        }
+        modes.update({name: stat.S_IMODE(os.stat(path).st_mode) for name, path in paths.items()})
+    return modes
+
+
+@pytest.fixture
+def no_umask():
+    """Umask 0: owner-only permissions must come from growcache, not from the umask."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_new_cache_and_all_its_files_are_owner_only_whatever_the_umask(tmp_path, no_umask):
+    modes = _modes(Cache(tmp_path / "c", schema=ID_SCHEMA), tmp_path)
+    assert {name: oct(mode) for name, mode in modes.items() if mode & 0o077} == {}
+    assert all(mode & 0o700 in (0o600, 0o700) for mode in modes.values())
+
+
+def test_mode_argument_sets_directories_and_files(tmp_path, no_umask):
+    modes = _modes(Cache(tmp_path / "c", schema=ID_SCHEMA, mode=0o750), tmp_path)
+    dirs = {"cache dir", "shards dir", "leases dir"}
+    assert {name: oct(mode) for name, mode in modes.items() if name in dirs} == {name: "0o750" for name in dirs}
+    assert {name: oct(mode) for name, mode in modes.items() if name not in dirs} == {
+        name: "0o640" for name in modes if name not in dirs}
