@@ -2,20 +2,37 @@
 
 Each row names an action on a populated cache, the error class, and words the message must
 contain (what is wrong and how to fix it). After every row, the shards published before it are
-byte-identical and still listed.
+byte-identical and still listed. Bad stores and bad arrays (an unreachable store, a missing
+bucket, an empty glob, a Fortran-ordered or object ``.npy``, a window larger than the array)
+are met by a ``SamplerPool`` growing the populated cache, as in real use.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import time
 
 import numpy as np
 import pytest
+from stores import Store, free_port, s3, s3_server  # noqa: F401
 
-from growcache import Cache, CacheFormatError, CacheFullError, CorruptShardError, SchemaError, SchemaMismatchError
+from growcache import (
+    Cache,
+    CacheFormatError,
+    CacheFullError,
+    CorruptShardError,
+    SamplerError,
+    SchemaError,
+    SchemaMismatchError,
+    SourceError,
+    TransientSourceError,
+)
 from growcache.records import iter_records
+from growcache.sampler import SamplerPool
+from growcache.sources import NpyWindowSource, ObjectSource, RetryPolicy, Source
 
 from conftest import ID_SCHEMA, id_sample, write_shards
 
@@ -100,11 +117,90 @@ CASES = [
 
 @pytest.mark.parametrize("action, error, fragments", CASES, ids=[c[0].__name__.strip("_") for c in CASES])
 def test_bad_input_is_a_clear_error_and_harms_nothing(tmp_path, action, error, fragments):
+    _check(tmp_path, lambda cache: action(cache, tmp_path), error, fragments)
+
+
+# -- bad stores and bad arrays, met by a SamplerPool growing a populated cache ---------------
+FAST = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)
+
+
+def _npy(array: np.ndarray, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, **kwargs)
+    return buf.getvalue()
+
+
+def _unreachable_store(store: Store) -> Source:
+    options = dict(store.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    return NpyWindowSource(f"{store.url}/a.npy", 2, storage_options=options, retry=FAST)
+
+
+def _missing_bucket(store: Store) -> Source:
+    return ObjectSource("s3://no-such-bucket-growcache/*.npy", storage_options=store.storage_options, retry=FAST)
+
+
+def _empty_glob(store: Store) -> Source:
+    store.put("data/a.txt", b"not an array")
+    return ObjectSource(f"{store.url}/data/*.npy", storage_options=store.storage_options)
+
+
+def _fortran_order(store: Store) -> Source:
+    store.put("f.npy", _npy(np.asfortranarray(np.ones((20, 6), np.float32))))
+    return NpyWindowSource(f"{store.url}/f.npy", 4, storage_options=store.storage_options)
+
+
+def _object_dtype(store: Store) -> Source:
+    store.put("o.npy", _npy(np.array([{"a": 1}] * 20, dtype=object), allow_pickle=True))
+    return NpyWindowSource(f"{store.url}/o.npy", 4, storage_options=store.storage_options)
+
+
+def _window_larger_than_array(store: Store) -> Source:
+    store.put("small.npy", _npy(np.ones((10, 6), np.float32)))
+    return NpyWindowSource(f"{store.url}/small.npy", 20, storage_options=store.storage_options)
+
+
+STORE_CASES = [
+    (_unreachable_store, "s3", TransientSourceError, ["s3://growcache-test/a.npy", "kept failing after 2 attempts",
+                                                      "check the endpoint"]),
+    (_missing_bucket, "s3", SourceError, ["s3://no-such-bucket-growcache/*.npy", "check the bucket"]),
+    (_empty_glob, "file_store", SourceError, ["no objects match", "data/*.npy"]),
+    (_fortran_order, "s3", SourceError, ["s3://growcache-test/f.npy", "Fortran-ordered", "ascontiguousarray"]),
+    (_object_dtype, "file_store", SourceError, ["o.npy", "holds Python objects"]),
+    (_window_larger_than_array, "s3", SourceError, ["small.npy", "10 rows, fewer than window=20", "Lower the window"]),
+]
+
+
+@pytest.fixture
+def file_store(tmp_path):
+    (tmp_path / "remote").mkdir()
+    return Store(f"file://{tmp_path / 'remote'}")
+
+
+@pytest.mark.parametrize("make_source, store_name, cause, fragments", STORE_CASES,
+                         ids=[c[0].__name__.strip("_") for c in STORE_CASES])
+def test_bad_store_or_array_fails_the_pool_clearly_and_harms_nothing(tmp_path, request, make_source, store_name,
+                                                                     cause, fragments):
+    source = make_source(request.getfixturevalue(store_name))
+
+    def sample(cache: Cache) -> None:
+        start = time.monotonic()
+        try:
+            with SamplerPool(cache, source, workers=1, max_restarts=0) as pool:
+                pool.wait_for(records=1, timeout=120)
+        finally:
+            assert time.monotonic() - start < 60, "a bad source must fail fast, not after the wait's timeout"
+
+    info = _check(tmp_path, sample, SamplerError, fragments)
+    assert isinstance(info.value.__cause__, cause), repr(info.value.__cause__)
+
+
+def _check(tmp_path, action, error, fragments) -> pytest.ExceptionInfo:
+    """Run ``action`` on a populated cache: ``error`` with every fragment, and the cache as it was."""
     cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
     ids = write_shards(cache, [5, 5])
     before = {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()}
     with pytest.raises(error) as info:
-        action(cache, tmp_path)
+        action(cache)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
     after = Cache(cache.path)
@@ -117,3 +213,4 @@ def test_bad_input_is_a_clear_error_and_harms_nothing(tmp_path, action, error, f
     assert read == ids
     assert all(np.array_equal(codec.decode(r)["x"], id_sample(int(codec.decode(r)["id"]))["x"])
                for s in after.list_shards() for _, r in iter_records(s.path))
+    return info
