@@ -19,7 +19,7 @@ no payload mismatched. A monitor thread checks the byte budget ten times a secon
 end: no temporary file, no lease, no child process and no shared-memory segment is left, and
 each process's memory stayed flat across epochs.
 
-``GROWCACHE_SOAK_SECONDS`` sets the length of the fault phase (default 30 s; the whole test
+``GROWCACHE_SOAK_SECONDS`` sets the length of the fault phase (default 25 s; the whole test
 takes about a minute on 2 cores).
 """
 
@@ -61,7 +61,7 @@ from growcache.sampler import SamplerPool
 from growcache.shard import TMP_PREFIX, ShardInfo
 from growcache.writer import temp_owner
 
-SECONDS = float(os.environ.get("GROWCACHE_SOAK_SECONDS", "30"))
+SECONDS = float(os.environ.get("GROWCACHE_SOAK_SECONDS", "25"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = 2
 READERS = 2
