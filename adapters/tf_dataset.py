@@ -180,12 +180,14 @@ def make_tf_dataset(
             records = records.concatenate(read(top_up, buffer_size=read_buffer).repeat().take(extra))
         if shuffle_buffer:
             records = records.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
+        # Batched here, so the stages after flat_map cost a call per batch, not per record.
+        batches = records.batch(batch_size, drop_remainder=drop_remainder)
         # Pulled only once every record of the epoch has left the stages above: the lease ends here.
-        return records.concatenate(source.end_of_epoch(token))
+        return batches.concatenate(source.end_of_epoch(token))
 
-    parse = _batch_parser(schema, label)
+    # With drop_remainder every batch is full: keep that static, as Dataset.batch would.
+    parse = _batch_parser(schema, label, batch_size if drop_remainder else -1)
     ds = plans.flat_map(read_epoch)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     ds = _IteratorTrackingDataset(ds, source)
@@ -215,7 +217,7 @@ def _resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None) -
     return cache.schema
 
 
-def _batch_parser(schema: Schema, label: str | None):
+def _batch_parser(schema: Schema, label: str | None, rows: int = -1):
     """The batched ``parse_example`` + ``decode_raw`` + ``reshape`` map function."""
     spec = {name: tf.io.FixedLenFeature([], tf.string) for name in schema}
 
@@ -227,7 +229,7 @@ def _batch_parser(schema: Schema, label: str | None):
             values = tf.io.decode_raw(raw[name], _RAW_AS.get(dtype, dtype), little_endian=True)
             if dtype in _RAW_AS:
                 values = tf.bitcast(values, dtype)
-            out[name] = tf.reshape(values, [-1, *feature.shape])
+            out[name] = tf.reshape(values, [rows, *feature.shape])
         if label is None:
             return out
         target = out.pop(label)
@@ -293,9 +295,9 @@ class _EpochSource:
                 tf.reshape(take, []), tf.reshape(extra, []), tf.reshape(shuffle_seed, []))
 
     def end_of_epoch(self, token: tf.Tensor) -> tf.data.Dataset:
-        """An empty dataset of records whose first pull ends epoch ``token``'s lease."""
+        """An empty dataset of batches whose first pull ends epoch ``token``'s lease."""
         done = tf.data.Dataset.from_tensors(token).map(
-            lambda t: tf.reshape(tf.numpy_function(self.finish_epoch, [t], tf.string, stateful=True), [])
+            lambda t: tf.reshape(tf.numpy_function(self.finish_epoch, [t], tf.string, stateful=True), [-1])
         )
         return done.filter(lambda _: False)
 
@@ -365,7 +367,7 @@ class _EpochSource:
             epoch = self._open.pop(int(token), None)
         if epoch is not None:
             _SHARED.release(epoch.entry)
-        return b""
+        return np.empty(0, dtype=bytes)
 
     def track(self, iterator: Any) -> None:
         """Release the lease of the epoch ``iterator`` reads when it is deleted."""
@@ -403,7 +405,8 @@ class _EpochSource:
         except CorruptShardError as exc:
             if self.on_corrupt == "skip":
                 self.corrupt_shards.append(exc)
-                logger.warning("skipping %s (%d corrupt shards skipped so far)", exc, len(self.corrupt_shards))
+                logger.warning("skipping corrupt shard %s (byte offset %d: %s); %d skipped so far",
+                               exc.path, exc.offset, exc.reason, len(self.corrupt_shards))
                 return b""
             # TensorFlow's reader raises the DataLossError on this shard; name the file first.
             logger.error("%s", exc)

@@ -60,6 +60,13 @@ def test_an_epoch_yields_every_record_once_decoded_exactly(id_cache):
     assert flat(batches) != ids
 
 
+def test_drop_remainder_keeps_a_static_batch_dimension(id_cache):
+    write_shards(id_cache, [5, 6])
+    ds = make_tf_dataset(id_cache, 4, seed=0, drop_remainder=True)
+    assert ds.element_spec["x"].shape.as_list() == [4, 4, 8]
+    assert [len(b) for b in read_epoch(ds)] == [4, 4]
+
+
 def test_every_iterator_takes_a_fresh_snapshot(id_cache):
     first = write_shards(id_cache, [6])
     ds = make_tf_dataset(id_cache, 4, seed=0, drop_remainder=True)
