@@ -134,7 +134,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = _Parser(prog="growcache", description="Grow a local TFRecord cache of a remote dataset and read it.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log growcache at DEBUG level (store libraries stay at INFO: their DEBUG logs name credentials)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("status", help="shards, bytes, records, leases and budget use of a cache")
@@ -196,7 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except SystemExit as exc:  # --help
             return int(exc.code or 0)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    if args.verbose:
+        # growcache's own loggers only: store libraries (botocore) log request headers at DEBUG,
+        # and those name the access key id.
+        logging.getLogger("growcache").setLevel(logging.DEBUG)
     try:
         return args.func(args)
     except _UsageError as exc:

@@ -123,6 +123,12 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# The model is linear in 16384 pixels that share each window's level, so the loss surface's
+# steepest direction has curvature about 2 * pixels: plain SGD is stable below 1 / pixels.
+_LEARNING_RATE = 0.25 / (WINDOW * HEIGHT * WIDTH)
+_PROGRESS_EVERY_S = 0.2
+
+
 def _train(framework: str, options: dict[str, Any], results: Any) -> None:
     """Child process: train a tiny linear model, report one dict per epoch to ``results``."""
     logging.basicConfig(level=logging.WARNING)
@@ -139,9 +145,10 @@ def _train(framework: str, options: dict[str, Any], results: Any) -> None:
 
             torch.set_num_threads(1)
             loader = growcache.make_torch_loader(cache, options["batch_size"], num_workers=options["loader_workers"],
-                                                 seed=0, persistent_workers=options["loader_workers"] > 0)
+                                                 seed=0, persistent_workers=options["loader_workers"] > 0,
+                                                 wait_for_shards=60)
             model = torch.nn.Linear(features, 1)
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            optimizer = torch.optim.SGD(model.parameters(), lr=_LEARNING_RATE)
 
             def epoch_batches():
                 for batch in loader:
@@ -150,16 +157,16 @@ def _train(framework: str, options: dict[str, Any], results: Any) -> None:
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
-                    yield len(x), float(loss)
+                    yield len(x), loss.item()
         else:
             import tensorflow as tf
 
             import growcache
 
-            dataset = growcache.make_tf_dataset(cache, options["batch_size"], seed=0)
+            dataset = growcache.make_tf_dataset(cache, options["batch_size"], seed=0, wait_for_shards=60)
             weights = tf.Variable(tf.zeros([features, 1]))
             bias = tf.Variable(0.0)
-            optimizer = tf.keras.optimizers.SGD(1e-3)
+            optimizer = tf.keras.optimizers.SGD(_LEARNING_RATE)
 
             @tf.function
             def step(x, y):
@@ -173,8 +180,7 @@ def _train(framework: str, options: dict[str, Any], results: Any) -> None:
                 for batch in dataset:
                     yield int(batch["y"].shape[0]), float(step(batch["x"], batch["y"]))
 
-        from tqdm import tqdm
-
+        results.put({"framework": framework, "ready": True})
         previous: set[int] = set()
         evicted_before = cache.stats().evicted
         for epoch in range(options["epochs"]):
@@ -183,13 +189,15 @@ def _train(framework: str, options: dict[str, Any], results: Any) -> None:
             loss = float("nan")
             first_batch = None
             shards: set[int] = set()
-            with tqdm(desc=f"{framework} epoch {epoch + 1}", unit="rec", leave=False, file=sys.stderr) as bar:
-                for count, loss in epoch_batches():
-                    if first_batch is None:
-                        first_batch = time.perf_counter() - started
-                        shards = _epoch_shards(cache)
-                    records += count
-                    bar.update(count)
+            reported = started
+            for count, loss in epoch_batches():
+                if first_batch is None:
+                    first_batch = time.perf_counter() - started
+                    shards = _epoch_shards(cache)
+                records += count
+                if time.perf_counter() - reported > _PROGRESS_EVERY_S:  # the parent draws the bar
+                    results.put({"framework": framework, "epoch": epoch + 1, "progress": records})
+                    reported = time.perf_counter()
             # The model is tiny; pacing the epoch lets the samplers grow the cache in between,
             # as a real model's training time would.
             time.sleep(max(0.0, options["epoch_seconds"] - (time.perf_counter() - started)))
@@ -237,12 +245,13 @@ def run_demo(args: argparse.Namespace) -> int:
     print(_HEADER)
     failed = False
     ctx = mp.get_context("spawn")
-    with SamplerPool(cache, DemoSample(source, args.store_mbps), workers=args.workers,
-                     shard_size=args.shard_size, max_shard_age=1.0, seed=0) as pool:
-        pool.wait_for(records=1, timeout=60)
-        while not cache.list_shards():
-            pool.raise_if_failed()
-            time.sleep(0.05)
+    from tqdm import tqdm
+
+    # The pool starts once the first trainer is ready (framework imported, loader built), so
+    # its first epoch sees the first shards and the table shows the cache growing from there.
+    pool = SamplerPool(cache, DemoSample(source, args.store_mbps), workers=args.workers,
+                       shard_size=args.shard_size, max_shard_age=1.0, seed=0)
+    try:
         for framework in frameworks:
             options = {"cache": cache_dir, "epochs": args.epochs, "batch_size": args.batch_size,
                        "loader_workers": args.loader_workers, "epoch_seconds": args.epoch_seconds}
@@ -250,6 +259,7 @@ def run_demo(args: argparse.Namespace) -> int:
             child = ctx.Process(target=_train, args=(framework, options, results), name=f"demo-{framework}")
             child.start()
             last_bytes, last_time = pool.stats().bytes_written, time.monotonic()
+            bar = None
             while True:
                 try:
                     row = results.get(timeout=1.0)
@@ -260,6 +270,17 @@ def run_demo(args: argparse.Namespace) -> int:
                         failed = True
                         break
                     continue
+                if row.get("ready"):
+                    pool.start()  # a no-op for the second framework
+                    continue
+                if "progress" in row:
+                    if bar is None:
+                        bar = tqdm(desc=f"{framework} epoch {row['epoch']}", unit="rec", leave=False, file=sys.stderr)
+                    bar.update(row["progress"] - bar.n)
+                    continue
+                if bar is not None:
+                    bar.close()
+                    bar = None
                 if row.get("done"):
                     break
                 if "error" in row:
@@ -276,6 +297,8 @@ def run_demo(args: argparse.Namespace) -> int:
             if child.is_alive():
                 child.kill()
                 child.join()
+    finally:
+        pool.stop(raise_on_failure=not failed)
     stats = cache.stats()
     print(f"\ncache left at {cache_dir}: {stats.shards} shards, {format_size(stats.bytes)}; "
           f"{stats.published} published, {stats.evicted} evicted. Inspect it with: growcache status {cache_dir}")

@@ -14,6 +14,7 @@ State files are JSON: nothing read from a cache is ever unpickled.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -24,6 +25,8 @@ from . import _proc
 from .errors import CacheFormatError
 
 __all__ = ["FORMAT_VERSION", "Manifest", "atomic_write_bytes", "fsync_dir"]
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 METADATA_FILE = "growcache.json"
@@ -135,7 +138,15 @@ class Manifest:
             if not name.endswith(".json") or name.endswith(".tmp"):
                 continue
             path = os.path.join(self.leases_dir, name)
-            lease = self._read_json(path)
+            try:
+                lease = self._read_json(path)
+            except CacheFormatError as exc:
+                # Leases are replaced atomically, so a damaged one was not written by a live
+                # growcache reader: it expires, rather than stopping every publish and snapshot.
+                logger.warning("%s; the lease is treated as expired%s", exc, " and removed" if remove_dead else "")
+                if remove_dead:
+                    _unlink_quiet(path)
+                continue
             if lease is None:
                 continue
             if _proc.is_alive(int(lease.get("pid", -1)), lease.get("start_time")):

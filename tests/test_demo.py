@@ -1,0 +1,37 @@
+"""`growcache demo --quick`, the README's main job, end to end in its own processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROW = re.compile(r"^(torch|tf)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s")
+
+
+@pytest.mark.timeout(240)
+def test_demo_quick_grows_the_cache_for_both_frameworks(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "growcache")
+    result = subprocess.run(
+        [exe, "demo", "--quick", "--framework", "both", "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=220,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows: dict[str, list[tuple[int, ...]]] = {"torch": [], "tf": []}
+    for line in result.stdout.splitlines():
+        match = ROW.match(line)
+        if match:
+            rows[match.group(1)].append(tuple(int(g) for g in match.groups()[1:]))
+    for framework, epochs in rows.items():
+        assert len(epochs) == 3, f"{framework}: {epochs}\n{result.stdout}"
+        for epoch, shards, new, evicted, records in epochs:
+            assert shards > 0 and records > 0
+    torch_shards = [e[1] for e in rows["torch"]]
+    assert torch_shards[-1] > torch_shards[0], f"the cache did not grow between epochs: {torch_shards}"
+    # The sampler kept publishing while both frameworks read the same cache.
+    assert rows["tf"][-1][1] >= torch_shards[0]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "growcache status" in summary and os.path.isdir(tmp_path / "demo" / "cache")
