@@ -66,7 +66,7 @@ def make_tf_dataset(
     on_corrupt: str = "raise",
     wait_for_shards: float = 0.0,
     deterministic: bool | None = None,
-    read_buffer: int = 256 << 10,
+    read_buffer: int = 8 << 20,
 ) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` over a growcache cache; each iterator reads a fresh snapshot.
 
@@ -109,7 +109,9 @@ def make_tf_dataset(
             is empty now. Default: ``0.0``.
         deterministic: keep the interleave and parse order deterministic. Default: ``None``
             (deterministic when ``seed`` is given).
-        read_buffer: read buffer of each ``TFRecordDataset``, in bytes. Default: 256 KiB.
+        read_buffer: read buffer of each ``TFRecordDataset``, in bytes; ``cycle_length``
+            of them are live at once. Default: 8 MiB (TensorFlow's own 256 KiB cost about
+            25% more CPU per GB here, for 1 MiB records).
 
     Returns:
         The dataset. Its elements hold the schema's dtypes with shapes ``(batch, *shape)``.
