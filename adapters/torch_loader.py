@@ -160,8 +160,12 @@ class _CacheStream(IterableDataset):
                 return None, {n: np.empty((rows, *s.shape), s.dtype) for n, s in self.schema.items()}
             return claimed
 
+        def release(key: Any) -> None:
+            if key is not None:
+                slab.give_back(key)
+
         try:
-            for item in reader.batches(message.share, allocate):
+            for item in reader.batches(message.share, allocate, release):
                 if isinstance(item, Skipped):
                     yield item
                     continue
@@ -350,13 +354,14 @@ def make_torch_loader(
         batch_size: records per batch.
         num_workers: DataLoader worker processes; ``0`` reads in the training process.
             Default: ``2``.
-        shuffle_buffer: records in each reader's shuffle buffer (see
-            :class:`~growcache.batching.BatchReader`): each record read replaces a random
-            one of them, which goes into the batch, so batches mix neighbouring shards and
-            differ from epoch to epoch. Costs one more copy per record, in the worker, and
-            ``shuffle_buffer`` records of memory per worker. ``0``: batches hold
-            consecutive records of a shard (shards are still shuffled per epoch).
-            Default: about 32 MiB of records and at least two batches, at most 8192 records.
+        shuffle_buffer: records shuffled together in each reader (see
+            :class:`~growcache.batching.BatchReader`): each window of this many records,
+            rounded up to whole batches and at least two, is scattered over its batches at
+            random, so batches mix neighbouring shards and differ from epoch to epoch. No
+            extra copy: each record still goes straight into its slot in shared memory.
+            ``0``: batches hold consecutive records of a shard (shards are still shuffled
+            per epoch). Default: about 32 MiB of records and at least two batches, at most
+            8192 records.
         seed: shard shuffle seed; the same on every rank. Default: ``None`` = ``0``.
         drop_last: drop each reader's last partial batch. Default: ``False``.
         pin_memory: copy every batch to pinned memory (for GPU training). Default: ``False``.
@@ -413,6 +418,8 @@ def make_torch_loader(
     return GrowcacheLoader(
         cache, stream, seed=0 if seed is None else int(seed), even_batches=even_batches,
         wait_for_shards=float(wait_for_shards), copy=copy, user_pin_memory=pin_memory,
-        slots=prefetch_factor + 2, num_workers=num_workers, persistent_workers=persistent_workers,
+        # In flight to the trainer, one held by it, and one shuffle window being filled.
+        slots=prefetch_factor + 1 + BatchReader(cache.schema, batch_size, shuffle_buffer=shuffle_buffer).window_batches,
+        num_workers=num_workers, persistent_workers=persistent_workers,
         multiprocessing_context=context, **extra,
     )

@@ -97,11 +97,12 @@ class BatchReader:
             shard from the bad record on (framing cannot be trusted past it) and yield a
             :class:`Skipped` note. Default: ``"raise"``.
         drop_last: drop the final partial batch. Default: ``False``.
-        shuffle_buffer: records held in a shuffle buffer; each record read replaces a
-            random one of them, which goes into the batch (as ``tf.data``'s ``shuffle``).
-            Mixes records across neighbouring shards and changes every batch's members
-            from epoch to epoch, at the cost of one more copy per record. ``0``: records
-            go into batches in shard order. Default: ``0``.
+        shuffle_buffer: records shuffled together. Records are read in windows of
+            ``shuffle_buffer`` records, rounded up to whole batches and at least two, and
+            each window's records are scattered over its batches' rows at random: batches
+            mix neighbouring shards and change members from epoch to epoch, and every record
+            is still copied once, straight into its batch. ``0``: batches hold consecutive
+            records in shard order. Default: ``0``.
     """
 
     def __init__(
@@ -127,6 +128,8 @@ class BatchReader:
         self.on_corrupt = on_corrupt
         self.drop_last = drop_last
         self.shuffle_buffer = int(shuffle_buffer)
+        #: batches of one shuffle window (1: no shuffle).
+        self.window_batches = max(2, -(-self.shuffle_buffer // self.batch_size)) if self.shuffle_buffer else 1
         self.records_read = 0
         self.records_skipped = 0
 
@@ -137,9 +140,15 @@ class BatchReader:
         while True:  # a top up cycles until the quota stops it
             yield from (int(i) for i in share.cycle)
 
-    def batches(self, share: ReaderShare, allocate: Allocate) -> Iterator[tuple[object, dict[str, np.ndarray], int] | Skipped]:
+    def batches(
+        self, share: ReaderShare, allocate: Allocate, release: Callable[[object], None] | None = None
+    ) -> Iterator[tuple[object, dict[str, np.ndarray], int] | Skipped]:
         """Yield ``(key, arrays, rows)`` per batch (``allocate``'s key and arrays, rows
         filled), and a :class:`Skipped` per skipped shard.
+
+        With a shuffle window, a window's batches are allocated as its records land in them,
+        and come out together when it is full. ``release(key)`` takes back a batch that was
+        allocated but ended up empty (the last window's compaction, ``drop_last``).
 
         The arrays are only valid until the next item is requested if ``allocate``
         reuses memory; that is the allocator's contract with its consumer.
@@ -149,34 +158,55 @@ class BatchReader:
         names = [name for name, _, _ in layout]
         quota = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         remaining = quota
-        key, arrays, rows = None, None, None
-        filled = 0
         passes_without_records = 0
-        # The shuffle buffer: flat byte rows per feature, like a batch's. A record is copied
-        # in; the one it replaces is copied out into the batch.
-        pool_size = min(self.shuffle_buffer, quota)
-        pool = [np.empty((pool_size, nbytes), np.uint8) for _, _, nbytes in layout] if pool_size else []
-        pooled = 0
+        # The shuffle scatters each window's records over the rows of its whole batches at
+        # random: every record is still copied once, straight into its batch.
+        window_batches = self.window_batches
+        window_rows = window_batches * batch_size
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
-        draws = np.empty(0, np.int64)
-        drawn = 0
+        sequential = np.arange(window_rows)
+        targets = sequential
+        window: list[tuple[object, dict[str, np.ndarray], list[np.ndarray]] | None] = []
+        placed = 0
 
-        def next_row() -> None:
-            nonlocal key, arrays, rows, filled
-            if arrays is None:
+        def rows_of(number: int) -> list[np.ndarray]:
+            entry = window[number]
+            if entry is None:  # allocated when its first record lands
                 key, arrays = allocate(batch_size)
                 # Flat byte rows per feature: one memcpy per payload, no dtype work.
-                rows = [arrays[n].reshape(batch_size, -1).view(np.uint8) for n in names]
-                filled = 0
+                entry = window[number] = (key, arrays, [arrays[n].reshape(batch_size, -1).view(np.uint8) for n in names])
+            return entry[2]
 
-        def put(record: memoryview, targets: list[np.ndarray], row: int) -> None:
+        def put(record: memoryview, rows: list[np.ndarray], row: int) -> None:
             if self.codec.has_layout(record):
-                for dst, (_, offset, nbytes) in zip(targets, layout):
+                for dst, (_, offset, nbytes) in zip(rows, layout):
                     dst[row] = np.frombuffer(record, np.uint8, nbytes, offset)
             else:
                 views = self.codec.payload_views(record)
-                for dst, name in zip(targets, names):
+                for dst, name in zip(rows, names):
                     dst[row] = np.frombuffer(views[name], np.uint8)
+
+        def close_window(filled: int) -> Iterator[tuple[object, dict[str, np.ndarray], int]]:
+            if filled < window_rows and targets is not sequential:
+                # A last, partial window: move the records that landed at or past ``filled``
+                # into the holes below it, so the batches come out dense.
+                used = np.zeros(window_rows, bool)
+                used[targets[:filled]] = True
+                holes = np.flatnonzero(~used[:filled])
+                movers = np.flatnonzero(used[filled:]) + filled
+                for hole, mover in zip(holes.tolist(), movers.tolist()):
+                    src, dst = rows_of(mover // batch_size), rows_of(hole // batch_size)
+                    for d, s in zip(dst, src):
+                        d[hole % batch_size] = s[mover % batch_size]
+            for number, entry in enumerate(window):
+                if entry is None:
+                    continue
+                rows = min(batch_size, filled - number * batch_size)
+                if rows == batch_size or (rows > 0 and not self.drop_last):
+                    yield entry[0], entry[1], rows
+                elif release is not None:
+                    release(entry[0])  # allocated, then emptied by the compaction or drop_last
+            window.clear()
 
         for index in self._shard_order(share):
             if remaining <= 0:
@@ -187,25 +217,15 @@ class BatchReader:
                 for _, record in self.frames(path, self.verify):
                     got += 1
                     remaining -= 1
-                    if pooled < pool_size:  # filling the buffer: nothing leaves yet
-                        put(record, pool, pooled)
-                        pooled += 1
-                    else:
-                        next_row()
-                        if pool_size:
-                            if drawn == draws.size:  # draw in blocks: one call per record costs more
-                                draws, drawn = rng.integers(pool_size, size=1024), 0
-                            slot = int(draws[drawn])
-                            drawn += 1
-                            for dst, src in zip(rows, pool):
-                                dst[filled] = src[slot]
-                            put(record, pool, slot)
-                        else:
-                            put(record, rows, filled)
-                        filled += 1
-                        if filled == batch_size:
-                            yield key, arrays, filled
-                            arrays = None
+                    if not window:
+                        window.extend([None] * window_batches)
+                        targets = rng.permutation(window_rows) if window_batches > 1 else sequential
+                        placed = 0
+                    target = int(targets[placed])
+                    put(record, rows_of(target // batch_size), target % batch_size)
+                    placed += 1
+                    if placed == window_rows:
+                        yield from close_window(placed)
                     if remaining <= 0:
                         break
             except CorruptShardError as exc:
@@ -220,13 +240,5 @@ class BatchReader:
             passes_without_records = 0 if got else passes_without_records + 1
             if passes_without_records > len(share.shards) + len(share.cycle):
                 break
-        for slot in rng.permutation(pooled):  # drain what is left, in random order
-            next_row()
-            for dst, src in zip(rows, pool):
-                dst[filled] = src[slot]
-            filled += 1
-            if filled == batch_size:
-                yield key, arrays, filled
-                arrays = None
-        if arrays is not None and filled and not self.drop_last:
-            yield key, arrays, filled
+        if window:
+            yield from close_window(placed)

@@ -286,6 +286,10 @@ class Slab:
                 return None
             time.sleep(0.0002)
 
+    def give_back(self, handle: SlotHandle) -> None:
+        """Free a slot this producer acquired but will not send (it ended up holding no row)."""
+        self._release(handle.slot, handle.token)
+
     # -- consumer side --------------------------------------------------------------------
     def open(self, handle: SlotHandle, *, copy: bool = False, copy_below: int = 0) -> dict[str, np.ndarray]:
         """The batch of ``handle`` as numpy arrays.

@@ -83,3 +83,22 @@ def test_default_shuffle_buffer_is_about_32_mib_and_at_least_two_batches(id_cach
     assert default_shuffle_buffer(big, 64) == 128
     small = Schema({"x": ("uint8", (16,))})
     assert default_shuffle_buffer(small, 4) == 8192
+
+
+def test_shuffle_window_batches_come_out_dense_and_unused_ones_are_released(id_cache):
+    write_shards(id_cache, [9, 6])  # 15 records, batches of 4, windows of 8: the last window is partial
+    reader = BatchReader(id_cache.schema, 4, shuffle_buffer=6, drop_last=True)
+    allocated, released, yielded = [], [], []
+
+    def allocate(rows):
+        key = len(allocated)
+        allocated.append(key)
+        return key, {n: np.empty((rows, *s.shape), s.dtype) for n, s in reader.schema.items()}
+
+    ids = []
+    for key, arrays, rows in reader.batches(share_of(id_cache, seed=9), allocate, released.append):
+        assert rows == 4
+        yielded.append(key)
+        ids += [int(i) for i in arrays["id"][:rows]]
+    assert len(ids) == len(set(ids)) == 12
+    assert sorted(yielded + released) == allocated  # every slot either sent or given back
