@@ -15,7 +15,7 @@ from filelock import FileLock
 
 from . import _proc
 from ._size import parse_size
-from .errors import CacheFormatError, CacheFullError, CorruptShardError, SchemaError, SchemaMismatchError
+from .errors import CacheFullError, CorruptShardError, SchemaError, SchemaMismatchError
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec
 from .manifest import FORMAT_VERSION, Manifest, _listdir, _unlink_quiet, fsync_dir
