@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import queue as queue_module
+import socket
 import struct
 import time
 import warnings
@@ -193,9 +194,11 @@ class GrowcacheLoader(DataLoader):
     """
 
     def __init__(self, cache: Cache, stream: _CacheStream, *, seed: int, even_batches: bool,
-                 wait_for_shards: float, copy: bool, user_pin_memory: bool, slots: int, **kwargs: Any) -> None:
+                 wait_for_shards: float, copy: bool, user_pin_memory: bool, slots: int, split: str,
+                 **kwargs: Any) -> None:
         super().__init__(stream, batch_size=None, collate_fn=_to_transport, **kwargs)
         self._cache = cache
+        self._split = split
         self._stream = stream
         self._seed = seed
         self._even = even_batches
@@ -247,41 +250,62 @@ class GrowcacheLoader(DataLoader):
         snapshot = self._snapshot()
         shards = list(snapshot.shards)
         rank, world = 0, 1
+        target = None
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
-            # Ranks snapshot at slightly different moments; all plan on the shards every
-            # rank leased, or their plans (and batch counts) would disagree.
-            seqs: list[Any] = [None] * world
-            dist.all_gather_object(seqs, [s.seq for s in shards])
-            common = set.intersection(*(set(s) for s in seqs))
+            # Ranks snapshot at slightly different moments; all ranks that share a cache plan
+            # on the shards every one of them leased, or their plans would disagree. With
+            # split="node", each (host, cache path) is its own group with its own plan.
+            group_key = (socket.gethostname(), self._cache.path) if self._split == "node" else None
+            infos: list[Any] = [None] * world
+            dist.all_gather_object(infos, (group_key, [s.seq for s in shards]))
+            group = [r for r, (key, _) in enumerate(infos) if key == group_key]
+            common = set.intersection(*(set(infos[r][1]) for r in group))
             shards = [s for s in shards if s.seq in common]
-            if not shards:  # every rank sees the same intersection, so every rank raises
+            plan_rank, plan_world = group.index(rank), len(group)
+            if self._split == "node":
+                # Every rank of every node must yield the same batch count: agree on it (an
+                # empty group is reported by every rank, so no rank waits in a collective).
+                own = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed,
+                                 world_size=plan_world, num_workers=self.num_workers, batch_size=stream.batch_size,
+                                 drop_last=stream.drop_last, even_batches=self._even)
+                counts: list[Any] = [None] * world
+                dist.all_gather_object(counts, own.rank_batches(plan_rank) if shards else -1)
+                if min(counts) >= 0 and self._even:
+                    target = min(counts) if stream.drop_last else max(counts)
+                empty = min(counts) < 0
+            else:
+                empty = not shards  # every rank sees the same intersection, so every rank raises
+            if empty:
                 snapshot.close()
                 raise EmptyCacheError(
-                    f"the {world} ranks leased no shard in common in cache {self._cache.path}: it turned over "
-                    "completely between their snapshots (each rank takes its own when its epoch starts). "
-                    "Raise the capacity so that it holds several shards, or start epochs on all ranks together."
+                    f"ranks sharing cache {self._cache.path} leased no shard in common (or a node's cache is empty): "
+                    "it turned over completely between their snapshots (each rank takes its own when its epoch "
+                    "starts). Raise the capacity so that it holds several shards, or start epochs on all ranks "
+                    "together; with node-local caches, wait until every node's cache holds shards."
                 )
-        plan = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed, world_size=world,
+        else:
+            plan_rank, plan_world = 0, 1
+        plan = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed, world_size=plan_world,
                           num_workers=self.num_workers, batch_size=stream.batch_size,
-                          drop_last=stream.drop_last, even_batches=self._even)
+                          drop_last=stream.drop_last, even_batches=self._even, target_batches=target)
         self.last_plan = plan
-        if plan.rank_batches(rank) == 0:
+        if plan.rank_batches(plan_rank) == 0:
             logger.warning(
                 "epoch %d yields no batch on rank %d: %d records over %d ranks x %d readers with batch_size=%d%s",
-                plan.epoch, rank, sum(s.records for s in shards), world, max(self.num_workers, 1),
+                plan.epoch, rank, sum(s.records for s in shards), plan_world, max(self.num_workers, 1),
                 stream.batch_size, " and drop_last=True" if stream.drop_last else "",
             )
         paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
         records = np.array([s.records for s in shards], dtype=np.int64)
-        top_up = self._even and world > 1
+        top_up = self._even and (plan_world > 1 or target is not None)
         generation = (stream.generation.value + 1) & 0x7FFFFFFF
         if self.num_workers and not stream.slabs:
             self._make_slabs()
         stream.generation.value = generation
         for worker in range(max(self.num_workers, 1)):
-            r = plan.reader(rank, worker)
-            share = ReaderShare(paths, records, plan.shards[r], int(plan.quotas[r]) if top_up or world > 1 else -1,
+            r = plan.reader(plan_rank, worker)
+            share = ReaderShare(paths, records, plan.shards[r], int(plan.quotas[r]) if top_up or plan_world > 1 else -1,
                                 plan.cycle[r] if top_up else np.empty(0, np.int64),
                                 shuffle_seed=int(np.random.default_rng([self._seed, plan.epoch, r]).integers(2**62)))
             held = stream.slabs[worker].held_tokens() if self.num_workers else []
@@ -342,6 +366,7 @@ def make_torch_loader(
     reader: str = "tfrecord",
     copy: bool = False,
     multiprocessing_context: Any = None,
+    split: str = "shared",
 ) -> GrowcacheLoader:
     """A ``DataLoader`` over a growing cache: each ``iter()`` is one epoch on a fresh snapshot.
 
@@ -380,6 +405,11 @@ def make_torch_loader(
         copy: copy each batch out of shared memory instead of zero-copy views (frees the
             slot at once; costs a memcpy in the training process). Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.
+        split: how DDP ranks share records. ``"shared"``: all ranks read one cache (one
+            machine, or a shared filesystem) and split its shards, each record once per
+            epoch across the world. ``"node"``: each machine has its own cache (its own
+            samplers, on local disk); the ranks of one machine split that machine's cache,
+            and all ranks still yield the same number of batches. Default: ``"shared"``.
 
     Raises:
         SchemaError: the cache has no schema.
@@ -397,6 +427,8 @@ def make_torch_loader(
         raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {shuffle_buffer!r}")
     if on_corrupt not in ("raise", "skip"):
         raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+    if split not in ("shared", "node"):
+        raise ValueError(f"split must be 'shared' or 'node', got {split!r}")
     if reader not in _FRAMES:
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if persistent_workers is None:
@@ -417,7 +449,7 @@ def make_torch_loader(
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
         cache, stream, seed=0 if seed is None else int(seed), even_batches=even_batches,
-        wait_for_shards=float(wait_for_shards), copy=copy, user_pin_memory=pin_memory,
+        wait_for_shards=float(wait_for_shards), copy=copy, user_pin_memory=pin_memory, split=split,
         # In flight to the trainer, one held by it, and one shuffle window being filled.
         slots=prefetch_factor + 1 + BatchReader(cache.schema, batch_size, shuffle_buffer=shuffle_buffer).window_batches,
         num_workers=num_workers, persistent_workers=persistent_workers,

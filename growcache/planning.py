@@ -104,6 +104,7 @@ def plan_epoch(
     batch_size: int = 1,
     drop_last: bool = False,
     even_batches: bool = True,
+    target_batches: int | None = None,
 ) -> EpochPlan:
     """Plan one epoch for every reader of every rank.
 
@@ -118,6 +119,11 @@ def plan_epoch(
         drop_last: drop each reader's final partial batch; with ``even_batches`` it also
             selects "drop" over "top up" (see the module docstring). Default: ``False``.
         even_batches: make every rank yield the same number of batches. Default: ``True``.
+        target_batches: with ``even_batches``, the batch count every rank must yield, when
+            ranks beyond this plan take part (node-local caches: each node plans its own
+            cache, and all nodes agree on one count). It must be at least every rank's own
+            count for a top up, at most for a drop. Default: ``None`` (the most, or with
+            ``drop_last`` the fewest, of this plan's ranks).
 
     Returns:
         The :class:`EpochPlan`.
@@ -160,8 +166,9 @@ def plan_epoch(
 
     quotas = load.copy()
     cycle = list(shards)
-    if even_batches and world_size > 1:
-        quotas, cycle = _even_out(shards, quotas, world_size, workers, batch_size, drop_last, order, records)
+    if even_batches and (world_size > 1 or target_batches is not None):
+        quotas, cycle = _even_out(shards, quotas, world_size, workers, batch_size, drop_last, order, records,
+                                  target_batches)
     return EpochPlan(
         epoch=int(epoch),
         world_size=int(world_size),
@@ -183,6 +190,7 @@ def _even_out(
     drop_last: bool,
     order: np.ndarray,
     records: np.ndarray,
+    target_batches: int | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Quotas that give every rank the same batch count (see the module docstring)."""
     quotas = load.copy()
@@ -192,7 +200,9 @@ def _even_out(
         for r in range(world_size)
     ]
     if drop_last:
-        target = min(per_rank)
+        target = min(per_rank) if target_batches is None else int(target_batches)
+        if target > min(per_rank):
+            raise ValueError(f"target_batches={target} is more than a rank holds ({min(per_rank)}) with drop_last")
         for rank in range(world_size):
             readers = range(rank * workers, (rank + 1) * workers)
             counts = {i: int(load[i]) // batch_size for i in readers}
@@ -206,7 +216,9 @@ def _even_out(
                 quotas[i] = counts[i] * batch_size
         return quotas, cycle
 
-    target = max(per_rank)
+    target = max(per_rank) if target_batches is None else int(target_batches)
+    if target < max(per_rank):
+        raise ValueError(f"target_batches={target} is less than a rank yields ({max(per_rank)}) without drop_last")
     for rank in range(world_size):
         readers = list(range(rank * workers, (rank + 1) * workers))
         rank_shards = np.concatenate([shards[i] for i in readers]) if readers else np.empty(0, np.int64)

@@ -97,3 +97,24 @@ def test_empty_snapshot_and_bad_arguments():
         plan_epoch([1], epoch=0, seed=0, world_size=0)
     with pytest.raises(ValueError):
         plan_epoch([-1], epoch=0, seed=0)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_target_batches_sets_every_ranks_count(drop_last):
+    records = [7, 3, 12, 1, 9]
+    base = plan_epoch(records, epoch=0, seed=1, world_size=2, num_workers=2, batch_size=3, drop_last=drop_last)
+    counts = [base.rank_batches(r) for r in range(2)]
+    target = min(counts) - 1 if drop_last else max(counts) + 2  # as another node might demand
+    plan = plan_epoch(records, epoch=0, seed=1, world_size=2, num_workers=2, batch_size=3, drop_last=drop_last,
+                      target_batches=target)
+    assert [plan.rank_batches(r) for r in range(2)] == [target, target]
+    # One rank alone (one rank per node) is evened to the target too.
+    own = plan_epoch(records, epoch=0, seed=1, world_size=1, num_workers=1, batch_size=3, drop_last=drop_last)
+    wanted = own.rank_batches(0) + (-1 if drop_last else 2)
+    alone = plan_epoch(records, epoch=0, seed=1, world_size=1, num_workers=1, batch_size=3, drop_last=drop_last,
+                       target_batches=wanted)
+    assert alone.rank_batches(0) == wanted
+    impossible = max(counts) + 1 if drop_last else min(counts) - 1
+    with pytest.raises(ValueError, match="target_batches"):
+        plan_epoch(records, epoch=0, seed=1, world_size=2, num_workers=2, batch_size=3, drop_last=drop_last,
+                   target_batches=impossible)

@@ -21,24 +21,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str, drop_last: bool) -> None:
+def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loader) -> None:
+    """Train a tiny DDP model for 2 epochs on ``make_loader()``; write each epoch's ids and batch count."""
     import torch.distributed as dist
-
-    import growcache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = growcache.make_torch_loader(cache_dir, 4, num_workers=1, seed=5, drop_last=drop_last)
+    loader = make_loader()
     epochs = []
     for _ in range(2):
         ids, batches = [], 0
         for batch in loader:
             loss = model(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
             opt.zero_grad()
-            loss.backward()  # an all-reduce: a rank with fewer batches would hang the other
+            loss.backward()  # an all-reduce: a rank with fewer batches would hang the others
             opt.step()
             ids += batch["id"].tolist()
             batches += 1
@@ -47,6 +46,15 @@ def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str, drop_l
         json.dump(epochs, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str, drop_last: bool) -> None:
+    import functools
+
+    import growcache
+
+    _train_ddp(rank, world, port, out_dir, functools.partial(
+        growcache.make_torch_loader, cache_dir, 4, num_workers=1, seed=5, drop_last=drop_last))
 
 
 @pytest.mark.timeout(180)
@@ -107,3 +115,42 @@ def test_ranks_with_no_shard_in_common_all_raise_instead_of_an_empty_epoch(tmp_p
     for rank in range(2):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert "no shard in common" in outcome and "Raise the capacity" in outcome
+
+
+def _rank_on_a_node(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str, drop_last: bool) -> None:
+    import functools
+
+    import growcache
+
+    # Ranks 0-1 form one "node" with its own cache, ranks 2-3 another.
+    _train_ddp(rank, world, port, out_dir, functools.partial(
+        growcache.make_torch_loader, cache_dirs[rank // 2], 4, num_workers=1, seed=5, drop_last=drop_last,
+        split="node"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_node_local_caches_split_per_node_with_equal_batches_everywhere(tmp_path, drop_last):
+    import torch.multiprocessing as mp
+
+    from growcache import Cache
+
+    node_a = Cache(tmp_path / "node-a", capacity="1GB", schema=ID_SCHEMA)
+    written_a = write_shards(node_a, [7, 5, 9])
+    node_b = Cache(tmp_path / "node-b", capacity="1GB", schema=ID_SCHEMA)
+    written_b = write_shards(node_b, [3, 11, 2, 8, 6], first_id=1000)
+    mp.spawn(_rank_on_a_node, args=(4, [node_a.path, node_b.path], _free_port(), str(tmp_path), drop_last),
+             nprocs=4, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for epoch in range(2):
+        runs = [results[r][epoch] for r in range(4)]
+        assert len({run["batches"] for run in runs}) == 1 and runs[0]["batches"] > 0, [r["batches"] for r in runs]
+        for first, written in ((0, written_a), (2, written_b)):
+            a, b = runs[first], runs[first + 1]
+            assert not set(a["ids"]) & set(b["ids"]), "ranks of one node overlap"
+            seen = set(a["ids"]) | set(b["ids"])
+            assert seen <= set(written)
+            if drop_last:
+                assert len(a["ids"]) + len(b["ids"]) == len(seen)
+            else:
+                assert seen == set(written)  # the node's whole cache; only top-up records repeat
