@@ -32,7 +32,7 @@ from tensorflow.python.data.ops import dataset_ops
 
 from growcache.cache import Cache
 from growcache.errors import CorruptShardError, EmptyCacheError, SchemaError, SchemaMismatchError
-from growcache.planning import plan_epoch
+from growcache.planning import plan_epoch, reader_seed
 from growcache.records import iter_records
 from growcache.schema import Schema
 from growcache.snapshot import Snapshot
@@ -324,15 +324,15 @@ class _EpochSource:
             )
             reader = plan.reader(self.pipeline, 0)
             shards = plan.shards[reader]
-            paths = np.array([snapshot.shards[i].path.encode() for i in shards], dtype=object)
+            paths = np.array([os.fsencode(snapshot.shards[i].path) for i in shards], dtype=bytes)
             total = sum(snapshot.shards[i].records for i in shards)
             quota = int(plan.quotas[reader])
-            top_up = np.array([snapshot.shards[i].path.encode() for i in plan.cycle[reader]], dtype=object)
+            top_up = np.array([os.fsencode(snapshot.shards[i].path) for i in plan.cycle[reader]], dtype=bytes)
             logger.debug(
                 "epoch %d pipeline %d/%d: %d of %d shards, %d records of %d",
                 epoch, self.pipeline, self.pipelines, len(paths), len(snapshot), quota, snapshot.records,
             )
-            record_seed = int(np.random.default_rng([seed, epoch, self.pipeline]).integers(2**62))
+            record_seed = reader_seed(seed, epoch, self.pipeline)
         except BaseException:
             _SHARED.release(entry)
             raise
@@ -356,15 +356,15 @@ class _EpochSource:
             self.finish_epoch(old)
         return (
             np.int64(token),
-            paths.astype(bytes),
-            (top_up if quota > total else top_up[:0]).astype(bytes),
+            paths,
+            top_up if quota > total else top_up[:0],
             np.int64(min(quota, total)),
             np.int64(max(quota - total, 0)),
             np.int64(record_seed),
         )
 
-    def finish_epoch(self, token: np.int64 | int) -> bytes:
-        """End the lease of epoch ``token``; idempotent."""
+    def finish_epoch(self, token: np.int64 | int) -> np.ndarray:
+        """End the lease of epoch ``token``; idempotent. Returns no batch (an empty array)."""
         with self._lock:
             epoch = self._open.pop(int(token), None)
         if epoch is not None:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from growcache.batching import BatchReader, ReaderShare, Skipped, default_shuffle_buffer, growcache_frames
 from growcache.cache import Cache
 from growcache.errors import CorruptShardError, EmptyCacheError, GrowcacheError, SchemaError
-from growcache.planning import plan_epoch
+from growcache.planning import plan_epoch, reader_seed
 from growcache.records import masked_crc32c
 from growcache.transport import BatchLayout, Slab, SlotHandle
 
@@ -307,7 +307,7 @@ class GrowcacheLoader(DataLoader):
             r = plan.reader(plan_rank, worker)
             share = ReaderShare(paths, records, plan.shards[r], int(plan.quotas[r]) if top_up or plan_world > 1 else -1,
                                 plan.cycle[r] if top_up else np.empty(0, np.int64),
-                                shuffle_seed=int(np.random.default_rng([self._seed, plan.epoch, r]).integers(2**62)))
+                                shuffle_seed=reader_seed(self._seed, plan.epoch, r))
             held = stream.slabs[worker].held_tokens() if self.num_workers else []
             message = _EpochMessage(generation, share, held)
             if self.num_workers:
@@ -423,10 +423,8 @@ def make_torch_loader(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if shuffle_buffer is None:
         shuffle_buffer = default_shuffle_buffer(cache.schema, batch_size)
-    if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-        raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {shuffle_buffer!r}")
-    if on_corrupt not in ("raise", "skip"):
-        raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+    # The workers' reader, built here once so that bad arguments fail at construction.
+    probe = BatchReader(cache.schema, batch_size, on_corrupt=on_corrupt, shuffle_buffer=shuffle_buffer)
     if split not in ("shared", "node"):
         raise ValueError(f"split must be 'shared' or 'node', got {split!r}")
     if reader not in _FRAMES:
@@ -451,7 +449,7 @@ def make_torch_loader(
         cache, stream, seed=0 if seed is None else int(seed), even_batches=even_batches,
         wait_for_shards=float(wait_for_shards), copy=copy, user_pin_memory=pin_memory, split=split,
         # In flight to the trainer, one held by it, and one shuffle window being filled.
-        slots=prefetch_factor + 1 + BatchReader(cache.schema, batch_size, shuffle_buffer=shuffle_buffer).window_batches,
+        slots=prefetch_factor + 1 + probe.window_batches,
         num_workers=num_workers, persistent_workers=persistent_workers,
         multiprocessing_context=context, **extra,
     )

@@ -65,13 +65,17 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _summary(seconds: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
+
+
 def _timed(fn, repeats: int) -> dict[str, float]:
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
+    return _summary(seconds)
 
 
 def _timed_in_turn(contenders: dict[str, tuple[str, object]], repeats: int) -> dict[str, dict[str, float]]:
@@ -89,7 +93,7 @@ def _timed_in_turn(contenders: dict[str, tuple[str, object]], repeats: int) -> d
             start = time.perf_counter()
             fn()
             seconds[name].append(time.perf_counter() - start)
-    return {name: {"median_s": statistics.median(s), "min_s": min(s), "max_s": max(s)} for name, s in seconds.items()}
+    return {name: _summary(s) for name, s in seconds.items()}
 
 
 def _rate(result: dict[str, float], nbytes: int) -> dict[str, float]:

@@ -164,7 +164,7 @@ class BatchReader:
         window_batches = self.window_batches
         window_rows = window_batches * batch_size
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
-        sequential = np.arange(window_rows)
+        sequential = list(range(window_rows))  # per-record lookups: a list beats numpy scalars
         targets = sequential
         window: list[tuple[object, dict[str, np.ndarray], list[np.ndarray]] | None] = []
         placed = 0
@@ -219,9 +219,9 @@ class BatchReader:
                     remaining -= 1
                     if not window:
                         window.extend([None] * window_batches)
-                        targets = rng.permutation(window_rows) if window_batches > 1 else sequential
+                        targets = rng.permutation(window_rows).tolist() if window_batches > 1 else sequential
                         placed = 0
-                    target = int(targets[placed])
+                    target = targets[placed]
                     put(record, rows_of(target // batch_size), target % batch_size)
                     placed += 1
                     if placed == window_rows:

@@ -38,12 +38,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EpochPlan", "plan_epoch", "shuffle_seed"]
+__all__ = ["EpochPlan", "plan_epoch", "reader_seed", "shuffle_seed"]
 
 
 def shuffle_seed(seed: int, epoch: int) -> np.random.Generator:
     """The generator every rank uses to order epoch ``epoch``'s shards."""
     return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch) & 0xFFFFFFFFFFFFFFFF, 0x6763])
+
+
+def reader_seed(seed: int, epoch: int, reader: int) -> int:
+    """The seed of reader ``reader``'s record shuffle in epoch ``epoch`` (both adapters use it)."""
+    return int(np.random.default_rng([seed, epoch, reader]).integers(2**62))
 
 
 @dataclass(frozen=True)
