@@ -87,12 +87,14 @@ class ExampleCodec:
     Attributes:
         layout: ``(name, payload_offset, payload_nbytes)`` per feature, in schema order,
             for records this codec writes.
+        prefixes: per feature, in schema order, the constant bytes that come before its
+            payload in every record this codec writes.
         record_nbytes: serialized size of every record this codec writes.
     """
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self._prefixes: list[bytes] = []
+        self.prefixes: list[bytes] = []
         self.layout: list[tuple[str, int, int]] = []
         features_body_len = 0
         entries = []
@@ -114,7 +116,7 @@ class ExampleCodec:
         for index, (name, head, n) in enumerate(entries):
             prefix = (example_head if index == 0 else b"") + head
             offset += len(prefix)
-            self._prefixes.append(prefix)
+            self.prefixes.append(prefix)
             self.layout.append((name, offset, n))
             offset += n
         self.record_nbytes = offset
@@ -126,7 +128,7 @@ class ExampleCodec:
         The payloads are not copied: write the pieces out before changing the arrays.
         """
         pieces: list[Any] = []
-        for prefix, (name, _, _) in zip(self._prefixes, self.layout):
+        for prefix, (name, _, _) in zip(self.prefixes, self.layout):
             pieces.append(prefix)
             pieces.append(memoryview(arrays[name]).cast("B"))
         return pieces
@@ -140,7 +142,7 @@ class ExampleCodec:
         view = memoryview(record)
         if len(view) != self.record_nbytes:
             return False
-        for prefix, (_, offset, _) in zip(self._prefixes, self.layout):
+        for prefix, (_, offset, _) in zip(self.prefixes, self.layout):
             if view[offset - len(prefix):offset] != prefix:
                 return False
         return True

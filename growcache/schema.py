@@ -106,13 +106,13 @@ class Schema(Mapping[str, FeatureSpec]):
             SchemaError: a feature is missing or extra, or has the wrong dtype or shape.
                 The message names the feature, the expected and the actual dtype/shape.
         """
-        if not isinstance(sample, Mapping):
+        if type(sample) is not dict and not isinstance(sample, Mapping):
             raise SchemaError(
                 f"a sample must be a dict of arrays with keys {sorted(self)}, got {type(sample).__name__}"
             )
-        missing = [n for n in self._features if n not in sample]
-        extra = [n for n in sample if n not in self._features]
-        if missing or extra:
+        if sample.keys() != self._features.keys():
+            missing = [n for n in self._features if n not in sample]
+            extra = [n for n in sample if n not in self._features]
             raise SchemaError(
                 f"sample keys {sorted(map(str, sample))} do not match the schema's {list(self)}"
                 + (f"; missing {missing}" if missing else "")
@@ -121,7 +121,14 @@ class Schema(Mapping[str, FeatureSpec]):
             )
         arrays = {}
         for name, spec in self._features.items():
-            array = np.asarray(sample[name])
+            array = sample[name]
+            # The usual sample is already right; this check costs a fraction of the general one,
+            # which matters at tens of thousands of small records per second.
+            if (type(array) is np.ndarray and array.dtype == spec.dtype and array.shape == spec.shape
+                    and array.flags.c_contiguous):
+                arrays[name] = array
+                continue
+            array = np.asarray(array)
             if array.dtype.newbyteorder("=") != spec.dtype.newbyteorder("=") or array.shape != spec.shape:
                 raise SchemaError(
                     f"feature {name!r}: expected dtype {spec.dtype.name} shape {spec.shape}, "

@@ -21,8 +21,14 @@ __all__ = ["ShardWriter"]
 
 logger = logging.getLogger(__name__)
 
-_FLUSH_BYTES = 4 << 20
-_IOV_MAX = 512
+# Records smaller than this are copied into a staging buffer that is written out
+# _STAGE_BYTES at a time; larger ones go from the caller's arrays to the kernel in one
+# writev. Either way write() keeps no reference to the caller's arrays once it returns,
+# so a sample function may refill one array in place. The copy costs about 1 us per
+# 16 KiB record, a fraction of the syscall it saves.
+_DIRECT_FRAME_BYTES = 256 << 10
+_STAGE_BYTES = 256 << 10
+_IOV_MAX = 1024  # Linux's UIO_MAXIOV; POSIX guarantees at least 16, but no platform we run on has fewer
 
 
 def temp_shard_name(token: str) -> str:
@@ -82,8 +88,18 @@ class ShardWriter:
         self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
         self._owner_pid = os.getpid()
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache.file_mode)
-        self._pending: list[Any] = []
-        self._pending_bytes = 0
+        self._stage: memoryview | None = None  # allocated on the first small record
+        self._staged = 0
+        # Every record of a schema has the same length, so its frame header and the Example
+        # bytes before the first payload are one constant piece, and that prefix's CRC is
+        # computed once. Small records are written tens of thousands per second, and each
+        # Python call saved per record shows in the throughput.
+        first_prefix, *later_prefixes = self.codec.prefixes
+        self._record_head = frame_header(self.codec.record_nbytes) + first_prefix
+        self._record_head_crc = crc32c(first_prefix)
+        self._record_frame_bytes = self.codec.record_nbytes + HEADER_BYTES + FOOTER_BYTES
+        names = [name for name, _, _ in self.codec.layout]
+        self._payload_then_prefix = list(zip(names, [*later_prefixes, b""]))
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -107,25 +123,36 @@ class ShardWriter:
     def write(self, sample: Mapping[str, Any]) -> None:
         """Validate ``sample`` against the schema and append it as one record.
 
+        The record is copied or written out before this returns, so the sample's arrays may
+        be refilled in place for the next sample.
+
         Raises:
             SchemaError: the sample does not match the cache's schema.
             CacheFullError: the shard grew larger than the cache's whole budget, or the
                 disk is full. The temporary file is removed; the cache is untouched.
         """
         arrays = self.schema.validate(sample)
-        self._append(self.codec.encode_pieces(arrays), self.codec.record_nbytes)
+        pieces = [self._record_head]
+        crc = self._record_head_crc
+        for name, next_prefix in self._payload_then_prefix:
+            payload = arrays[name]
+            crc = crc32c(payload, crc)
+            pieces.append(payload)
+            if next_prefix:
+                crc = crc32c(next_prefix, crc)
+                pieces.append(next_prefix)
+        pieces.append(frame_footer(crc))
+        self._append_frame(pieces, self._record_frame_bytes)
 
     def write_serialized(self, record: Any) -> None:
-        """Append one already serialized record (it must follow the schema)."""
-        self._append([record], memoryview(record).nbytes)
+        """Append one already serialized record (it must follow the schema); the buffer may be reused after."""
+        length = memoryview(record).nbytes
+        self._append_frame([frame_header(length), record, frame_footer(crc32c(record))],
+                           length + HEADER_BYTES + FOOTER_BYTES)
 
-    def _append(self, pieces: list[Any], length: int) -> None:
+    def _append_frame(self, pieces: list[Any], frame: int) -> None:
         if self._fd is None:
             raise ValueError(f"ShardWriter for {self.path} is closed; get a new one from cache.writer()")
-        crc = 0
-        for piece in pieces:
-            crc = crc32c(piece, crc)
-        frame = length + HEADER_BYTES + FOOTER_BYTES
         if self.nbytes + frame > self.cache.capacity:
             self.abort()
             raise CacheFullError(
@@ -133,26 +160,41 @@ class ShardWriter:
                 f"capacity of {self.cache.capacity} bytes. Raise the capacity or write smaller shards "
                 "(lower shard_size)."
             )
-        self._pending.append(frame_header(length))
-        self._pending.extend(pieces)
-        self._pending.append(frame_footer(crc))
-        self._pending_bytes += frame
+        if frame >= _DIRECT_FRAME_BYTES:
+            staged = [self._stage[:self._staged]] if self._staged else []  # type: ignore[index]
+            self._write_all([*staged, *pieces], self._staged + frame)
+            self._staged = 0
+        else:
+            if self._stage is None:
+                self._stage = memoryview(bytearray(_STAGE_BYTES))
+            elif self._staged + frame > _STAGE_BYTES:
+                self._flush()
+            stage, position = self._stage, self._staged
+            for piece in pieces:
+                piece = memoryview(piece).cast("B")
+                end = position + piece.nbytes
+                stage[position:end] = piece
+                position = end
+            self._staged = position
         self.records += 1
         self.nbytes += frame
-        if self._pending_bytes >= _FLUSH_BYTES or len(self._pending) >= _IOV_MAX:
-            self._flush()
 
     def _flush(self) -> None:
-        buffers, self._pending, self._pending_bytes = self._pending, [], 0
+        if self._staged:
+            self._write_all([self._stage[:self._staged]], self._staged)  # type: ignore[index]
+            self._staged = 0
+
+    def _write_all(self, buffers: list[Any], nbytes: int) -> None:
         try:
-            while buffers:
-                written = os.writev(self._fd, buffers)  # type: ignore[arg-type]
-                # A short write leaves a tail to resend; rare for regular files.
-                while buffers and written >= memoryview(buffers[0]).nbytes:
-                    written -= memoryview(buffers[0]).nbytes
-                    buffers.pop(0)
-                if written:
-                    buffers[0] = memoryview(buffers[0]).cast("B")[written:]
+            while nbytes:
+                written = os.writev(self._fd, buffers[:_IOV_MAX])  # type: ignore[arg-type]
+                nbytes -= written
+                if nbytes:  # a short write (rare for regular files) or more than _IOV_MAX buffers
+                    done = 0
+                    while written and written >= memoryview(buffers[done]).nbytes:
+                        written -= memoryview(buffers[done]).nbytes
+                        done += 1
+                    buffers = [memoryview(buffers[done]).cast("B")[written:], *buffers[done + 1:]]
         except OSError as exc:
             self.abort()
             raise_if_disk_full(exc, self.cache.path, f"writing {self.path}; the partial shard was removed")
@@ -197,7 +239,7 @@ class ShardWriter:
             except OSError:
                 pass
             self._fd = None
-        self._pending = []
+        self._stage, self._staged = None, 0
         _unlink_quiet(self.path)
 
 
