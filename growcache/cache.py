@@ -212,7 +212,20 @@ class Cache:
             except OSError as exc:
                 raise_if_disk_full(exc, self.path, "writing a snapshot's lease; no shard was leased")
                 raise
-        return Snapshot(shards, lease)
+        return Snapshot(shards, lease, on_close=self._trim_after_lease)
+
+    def _trim_after_lease(self) -> None:
+        """A lease just ended: shards it kept beyond the budget go now, not at the next publish.
+
+        Without this, a cache whose samplers have finished stays over its budget after the
+        last epoch until something publishes or snapshots again.
+        """
+        try:
+            with self._locked():
+                self._delete(self._choose_victims(incoming=0) or [])
+        except OSError as exc:  # ending an epoch must not fail on a full disk or a lock problem
+            logger.warning("could not trim cache %s to its budget after a snapshot closed (%s); "
+                           "the next publish or snapshot will", self.path, exc)
 
     # -- writing ----------------------------------------------------------------------------
     def writer(self, **kwargs: Any) -> ShardWriter:

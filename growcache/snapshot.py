@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .shard import ShardInfo
 
@@ -24,18 +24,27 @@ class Snapshot(Sequence[ShardInfo]):
     """The immutable list of published shards at one moment, in publish order.
 
     While the snapshot is open, its lease keeps eviction from deleting any of its shards.
-    Close it (or use ``with``) when the epoch is done; it is also released when garbage
-    collected, and it expires by itself if the owning process dies. A pickled snapshot is
-    a plain list of shards: the lease never travels to another process.
+    Close it (or use ``with``) when the epoch is done: that also trims the cache back to its
+    budget at once, deleting shards that only this lease kept. It is also released when
+    garbage collected (the trim then waits for the next publish or snapshot), and it
+    expires by itself if the owning process dies. A pickled snapshot is a plain list of
+    shards: the lease never travels to another process.
 
     Attributes:
         shards: the shards, oldest first.
     """
 
-    def __init__(self, shards: Sequence[ShardInfo], lease_path: str | None = None) -> None:
+    def __init__(
+        self,
+        shards: Sequence[ShardInfo],
+        lease_path: str | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.shards: tuple[ShardInfo, ...] = tuple(shards)
         self._lease_path = lease_path
-        self._finalizer = weakref.finalize(self, _release, lease_path, os.getpid())
+        self._on_close = on_close
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _release, lease_path, self._owner_pid)
 
     def __getitem__(self, index):  # type: ignore[override]
         return self.shards[index]
@@ -80,5 +89,9 @@ class Snapshot(Sequence[ShardInfo]):
         return self._lease_path is not None and self._finalizer.alive
 
     def close(self) -> None:
-        """Release the lease; idempotent."""
-        self._finalizer()
+        """Release the lease and trim the cache to its budget; idempotent."""
+        if self._finalizer.alive:
+            self._finalizer()
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None and self._lease_path is not None and os.getpid() == self._owner_pid:
+                on_close()

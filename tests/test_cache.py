@@ -144,7 +144,7 @@ def test_fifo_eviction_keeps_budget(tmp_path):
     assert stats.evicted_bytes == 4 * _shard_bytes(10)
 
 
-def test_leased_shards_survive_and_the_next_snapshot_trims_to_budget(tmp_path):
+def test_leased_shards_survive_and_closing_the_snapshot_trims_to_budget(tmp_path):
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
     snapshot = cache.snapshot()
@@ -155,10 +155,35 @@ def test_leased_shards_survive_and_the_next_snapshot_trims_to_budget(tmp_path):
     assert all(os.path.exists(p) for p in snapshot.paths)
     assert [s.seq for s in cache.list_shards()] == [1, 2, 4, 5]
     assert cache.stats().bytes == cache.capacity + snapshot.nbytes
+    # The writers are done; ending the epoch alone brings the cache back to its budget.
     snapshot.close()
+    assert [s.seq for s in cache.list_shards()] == [4, 5]
+    assert cache.stats().bytes <= cache.capacity
+    assert not any(os.path.exists(p) for p in snapshot.paths)
+    snapshot.close()  # idempotent
+
+
+def test_a_garbage_collected_snapshot_is_trimmed_by_the_next_snapshot(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    snapshot = cache.snapshot()
+    write_shards(cache, [10, 10, 10], first_id=100)
+    del snapshot  # released, not closed: no trim until the cache is used again
+    assert cache.stats().leases == 0 and cache.stats().bytes == cache.capacity * 2
     with cache.snapshot() as next_epoch:
         assert [s.seq for s in next_epoch] == [4, 5]
     assert cache.stats().bytes <= cache.capacity
+
+
+def test_closing_a_snapshot_keeps_shards_another_snapshot_leases(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    first, second = cache.snapshot(), cache.snapshot()
+    write_shards(cache, [10, 10], first_id=100)
+    first.close()
+    assert all(os.path.exists(p) for p in second.paths)
+    second.close()
+    assert [s.seq for s in cache.list_shards()] == [3, 4]
 
 
 def _refuse_while_leased(shards, leased, capacity, incoming, now):
