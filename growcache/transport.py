@@ -227,7 +227,10 @@ class Slab:
         if self._prefaulted_in == os.getpid():
             return
         body = self._bytes[self.header_nbytes:]
-        body[::PAGE] = 0  # slot contents are scratch: writing zeros is harmless
+        # Read, never write: a reader of a later epoch (non-persistent workers) starts while the
+        # trainer may still hold batches of the last one in their slots. A read fault on shared
+        # memory allocates the page and maps it writable, which is all the hot loop needs.
+        int(body[::PAGE].sum(dtype=np.uint64))
         self._prefaulted_in = os.getpid()
 
     def slot_bytes(self, slot: int) -> np.ndarray:

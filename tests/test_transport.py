@@ -143,3 +143,29 @@ def test_killed_reader_leaks_no_segment():
         import pickle
 
         pickle.dumps(anon)
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_a_new_reader_does_not_touch_a_batch_the_consumer_still_holds(anonymous):
+    # Non-persistent DataLoader workers start a new reader process every epoch, while the
+    # training process may still hold last epoch's zero-copy batches.
+    layout = BatchLayout.build([("x", "uint8", (4096,))], batch_size=4)
+    slab = Slab(layout, slots=2, anonymous=anonymous)
+    try:
+        handle, arrays = slab.acquire(4)
+        arrays["x"][:] = 7
+        kept = slab.open(handle)["x"]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                slab._prefaulted_in = -1  # as in a freshly started reader
+                slab.prefault()
+                slab.start_generation(2, [(handle.slot, handle.token)])
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert (kept == 7).all()
+    finally:
+        del kept, arrays
+        gc.collect()
+        slab.unlink()

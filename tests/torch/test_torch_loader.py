@@ -241,6 +241,22 @@ def test_batch_tensor_outlives_the_loop_intact(id_cache):
             np.testing.assert_array_equal(x.numpy(), id_sample(i)["x"])
 
 
+def test_zero_copy_batches_kept_across_epochs_survive_new_workers(tmp_path):
+    # 256 KiB per record: each batch's feature is a zero-copy view of a shared-memory slot, and
+    # without persistent workers every epoch starts new worker processes on the same slabs.
+    cache = Cache(tmp_path / "big", capacity="100MB", schema={"x": ("uint8", (64, 4096)), "id": ("int64", ())})
+    with cache.writer() as writer:
+        for i in range(8):
+            writer.write({"x": np.full((64, 4096), i + 1, np.uint8), "id": np.int64(i)})
+    loader = make_torch_loader(cache, 2, num_workers=1, persistent_workers=False, shuffle_buffer=0)
+    kept = [batch for batch in loader]
+    for _ in loader:
+        pass
+    for batch in kept:
+        for i, x in zip(batch["id"].tolist(), batch["x"]):
+            assert bool((x == i + 1).all()), f"record {i} changed after the next epoch"
+
+
 def test_abandoned_epoch_then_next_epoch_is_complete(id_cache):
     written = write_shards(id_cache, [10] * 4)
     loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True)
