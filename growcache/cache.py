@@ -251,23 +251,32 @@ class Cache:
         Args:
             path: the TFRecord file; each record a ``tf.train.Example`` with one raw
                 bytes feature per schema feature.
-            move: move instead of copy. Default: ``False``.
+            move: move instead of copy (the file is removed once it is published; a file that
+                is refused stays where it was). Default: ``False``.
 
         Raises:
             CorruptShardError: a CRC mismatch or truncation (file, offset).
             SchemaError: a record does not follow the cache's schema.
+            CacheFullError: the file is larger than the whole capacity.
         """
         if self.schema is None:
             raise SchemaError(f"cache {self.path} has no schema: open it with Cache(path, schema=...) to add shards")
         source = os.fspath(path)
+        size = os.path.getsize(source)
+        if size > self.capacity:
+            raise CacheFullError(
+                f"{source} has {size} bytes, more than the whole capacity of cache {self.path} ({self.capacity} "
+                "bytes). Raise the capacity, or split the file into smaller shards."
+            )
         tmp = os.path.join(self.shards_dir, temp_shard_name(os.urandom(6).hex()))
+        moved = False
         try:
             if move:
                 try:
                     os.replace(source, tmp)
-                except OSError:
+                    moved = True
+                except OSError:  # another filesystem: copy now, remove the source once published
                     shutil.copyfile(source, tmp)
-                    os.unlink(source)
             else:
                 shutil.copyfile(source, tmp)
             os.chmod(tmp, self.file_mode)
@@ -283,13 +292,16 @@ class Cache:
                 raise CorruptShardError(source, 0, "the file holds no records")
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            return self._publish(tmp, records, os.path.getsize(tmp))
+            info = self._publish(tmp, records, size)
         except CorruptShardError as exc:
-            _unlink_quiet(tmp)
+            _give_back(tmp, source if moved else None)
             raise CorruptShardError(source, exc.offset, exc.reason) from None
         except BaseException:
-            _unlink_quiet(tmp)
+            _give_back(tmp, source if moved else None)
             raise
+        if move and not moved:
+            _unlink_quiet(source)
+        return info
 
     def _publish(
         self,
@@ -493,6 +505,23 @@ class Cache:
                 self._delete(victims)
                 report.removed = [v.path for v in victims]
         return report
+
+
+def _give_back(tmp: str, moved_from: str | None) -> None:
+    """Undo a failed :meth:`Cache.add_shard`: a moved file goes back where it was, a copy is removed.
+
+    The caller's file is never lost to a file that was refused (corrupt, wrong schema, no room).
+    """
+    if moved_from is None:
+        _unlink_quiet(tmp)
+        return
+    try:
+        os.replace(tmp, moved_from)
+    except FileNotFoundError:
+        pass  # it was published after all
+    except OSError as exc:
+        logger.error("could not move %s back to %s (%s). Move it out by hand before the cache is opened "
+                     "again, which removes temporaries of writers that are gone", tmp, moved_from, exc)
 
 
 def _is_owner_only(path: str) -> bool:

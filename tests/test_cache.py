@@ -334,6 +334,43 @@ def test_add_shard_checks_crc_and_schema_and_publishes(id_cache, tmp_path):
     assert [n for n in os.listdir(id_cache.shards_dir) if n.startswith(".tmp")] == []
 
 
+def test_add_shard_with_move_keeps_a_refused_file_where_it_was(id_cache, tmp_path):
+    other = Cache(tmp_path / "other", schema={"id": ("int64", ())})
+    with other.writer() as writer:
+        writer.write({"id": np.int64(3)})
+    wrong_schema = str(tmp_path / "wrong.tfrecord")
+    os.replace(other.list_shards()[0].path, wrong_schema)
+    before = _digest(wrong_schema)
+    with pytest.raises(SchemaError):
+        id_cache.add_shard(wrong_schema, move=True)
+    assert os.path.exists(wrong_schema) and _digest(wrong_schema) == before
+
+    good = Cache(tmp_path / "good", schema=ID_SCHEMA)
+    write_shards(good, [4])
+    truncated = str(tmp_path / "truncated.tfrecord")
+    with open(truncated, "wb") as f:
+        f.write(open(good.list_shards()[0].path, "rb").read()[:-3])
+    with pytest.raises(CorruptShardError):
+        id_cache.add_shard(truncated, move=True)
+    assert os.path.getsize(truncated) > 0
+    assert id_cache.list_shards() == [] and [n for n in os.listdir(id_cache.shards_dir) if n.startswith(".tmp")] == []
+
+    source = good.list_shards()[0].path
+    info = id_cache.add_shard(source, move=True)
+    assert info.records == 4 and not os.path.exists(source)
+
+
+def test_add_shard_larger_than_the_capacity_names_the_file_and_keeps_it(tmp_path):
+    source_cache = Cache(tmp_path / "src", schema=ID_SCHEMA)
+    write_shards(source_cache, [10])
+    source = source_cache.list_shards()[0].path
+    small = Cache(tmp_path / "small", capacity=_shard_bytes(3), schema=ID_SCHEMA)
+    with pytest.raises(CacheFullError, match="more than the whole capacity") as err:
+        small.add_shard(source, move=True)
+    assert source in str(err.value) and os.path.exists(source)
+    assert small.list_shards() == []
+
+
 def test_new_cache_is_owner_only(tmp_path):
     cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
     write_shards(cache, [1])
