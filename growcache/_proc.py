@@ -29,6 +29,8 @@ def this_process() -> tuple[int, int | None]:
 
 def is_alive(pid: int, start_time: int | None) -> bool:
     """True if the process ``pid`` that started at ``start_time`` still runs."""
+    if not isinstance(pid, int) or pid <= 0:  # 0 and -1 would probe process groups, not a process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -328,7 +329,10 @@ class Cache:
                     try:
                         self._delete(victims)
                         state = self._manifest.read_state()
-                        seq = state["next_seq"]
+                        # Never behind the listing: with a lost or restored state file, a stale
+                        # counter would make os.replace overwrite a published, maybe leased, shard.
+                        newest = max((s.seq for s in self.list_shards()), default=0)
+                        seq = max(state["next_seq"], newest + 1)
                         info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
                                          records, nbytes)
                         # The counters go first: if they cannot be written (a full disk), nothing is
@@ -341,7 +345,15 @@ class Cache:
                     except OSError as exc:
                         raise_if_disk_full(exc, self.path, f"publishing {tmp_path}; nothing was published")
                         raise
-                    os.replace(tmp_path, info.path)
+                    try:
+                        os.replace(tmp_path, info.path)
+                    except OSError:
+                        # The sequence number stays spent; only the counts of what exists are undone.
+                        state["published"] -= 1
+                        state["published_bytes"] -= nbytes
+                        with contextlib.suppress(OSError):
+                            self._manifest.write_state(state)
+                        raise
                     fsync_dir(self.shards_dir)
                     logger.debug("published %s (%d records, %d bytes)", info.path, records, nbytes)
                     return info

@@ -140,16 +140,19 @@ class Manifest:
             path = os.path.join(self.leases_dir, name)
             try:
                 lease = self._read_json(path)
+                if lease is not None:
+                    _check_lease(lease, path)
             except CacheFormatError as exc:
                 # Leases are replaced atomically, so a damaged one was not written by a live
-                # growcache reader: it expires, rather than stopping every publish and snapshot.
+                # growcache reader: it expires, rather than pinning its shards forever or
+                # stopping every publish and snapshot.
                 logger.warning("%s; the lease is treated as expired%s", exc, " and removed" if remove_dead else "")
                 if remove_dead:
                     _unlink_quiet(path)
                 continue
             if lease is None:
                 continue
-            if _proc.is_alive(int(lease.get("pid", -1)), lease.get("start_time")):
+            if _proc.is_alive(lease["pid"], lease.get("start_time")):
                 lease["path"] = path
                 leases.append(lease)
             elif remove_dead:
@@ -171,6 +174,25 @@ class Manifest:
         if not isinstance(data, dict):
             raise CacheFormatError(f"{path} does not hold a JSON object; the file is damaged.")
         return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_lease(lease: dict[str, Any], path: str) -> None:
+    """Raise :class:`CacheFormatError` unless ``lease`` has the fields a lease is written with."""
+    start_time = lease.get("start_time")
+    seqs = lease.get("seqs")
+    if not (_is_int(lease.get("pid")) and lease["pid"] > 0):
+        problem = f"its pid is {lease.get('pid')!r}, not a positive integer"
+    elif start_time is not None and not _is_int(start_time):
+        problem = f"its start_time is {start_time!r}, not an integer"
+    elif not (isinstance(seqs, list) and all(_is_int(seq) for seq in seqs)):
+        problem = "its seqs are not a list of integers"
+    else:
+        return
+    raise CacheFormatError(f"lease {path} is damaged: {problem}")
 
 
 def _dumps(data: dict[str, Any]) -> bytes:

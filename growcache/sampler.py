@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _proc
 from ._size import format_size, parse_size
 from .cache import Cache
 from .errors import CacheFullError, SamplerError, SchemaError, TransientSourceError
@@ -403,10 +404,11 @@ class SamplerPool:
             names = os.listdir(self.cache.shards_dir)
         except FileNotFoundError:
             return
-        alive = {p.pid for p in self._procs if p is not None and p.is_alive()}
         for name in names:
             owner = temp_owner(name) if name.startswith(TMP_PREFIX) else None
-            if owner is not None and owner[0] in self._pids and owner[0] not in alive:
+            # The start time in the name, not the pid alone: a dead worker's pid may already
+            # belong to another writer of this cache, whose shard must not be touched.
+            if owner is not None and owner[0] in self._pids and not _proc.is_alive(*owner):
                 try:
                     os.unlink(os.path.join(self.cache.shards_dir, name))
                     logger.info("removed %s, left by a dead sampler", name)

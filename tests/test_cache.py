@@ -254,6 +254,36 @@ def test_lease_of_a_dead_process_expires(tmp_path):
     assert os.listdir(os.path.join(cache.path, "leases")) == []
 
 
+@pytest.mark.parametrize("lease", [
+    {"start_time": None, "seqs": [1]},  # no pid: read as -1 it would look alive forever
+    {"pid": None, "start_time": None, "seqs": [1]},
+    {"pid": 0, "start_time": None, "seqs": [1]},
+    {"pid": os.getpid(), "start_time": "x", "seqs": [1]},
+    {"pid": os.getpid(), "start_time": None, "seqs": "1"},
+], ids=["no-pid", "null-pid", "pid-0", "bad-start", "bad-seqs"])
+def test_a_damaged_lease_expires_instead_of_pinning_or_blocking(tmp_path, lease, caplog):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    lease_path = os.path.join(cache.path, "leases", "1-damaged.json")
+    with open(lease_path, "w") as f:
+        json.dump(lease, f)
+    write_shards(cache, [10])  # evicts shard 1: the damaged lease neither pins it nor fails the publish
+    assert [s.seq for s in cache.list_shards()] == [2, 3]
+    assert not os.path.exists(lease_path)
+    assert "1-damaged.json is damaged" in caplog.text
+
+
+def test_a_lost_state_file_never_lets_a_publish_replace_a_shard(id_cache):
+    write_shards(id_cache, [2])
+    first = id_cache.list_shards()[0]
+    before = _digest(first.path)
+    with id_cache.snapshot():
+        os.unlink(os.path.join(id_cache.path, "state.json"))
+        write_shards(id_cache, [2], first_id=100)
+        assert _digest(first.path) == before
+        assert [s.seq for s in id_cache.list_shards()] == [first.seq, first.seq + 1]
+
+
 def test_stale_temporary_of_a_killed_writer_is_removed_on_open(id_cache):
     child = _child(
         f"""

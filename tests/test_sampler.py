@@ -229,6 +229,18 @@ def test_sigkill_mid_write_restarts_then_gives_up(cache):
     assert temporaries(cache) == []
 
 
+def test_a_dead_workers_pid_reused_by_another_writer_keeps_that_writers_shard(cache):
+    # The kernel may give a dead worker's pid to another writer of the same cache. Cleaning up
+    # after the dead worker must go by (pid, start time), or it deletes the live writer's shard.
+    pool = SamplerPool(cache, slow_sample, workers=1)
+    pool._pids.add(os.getpid())  # this process plays the writer that got the recycled pid
+    with cache.writer() as writer:
+        writer.write(slow_sample(np.random.default_rng(0)))
+        pool._remove_temporaries()
+        assert os.path.exists(writer.path)
+    assert len(cache.list_shards()) == 1
+
+
 def test_construction_errors(tmp_path, cache):
     with pytest.raises(CacheFullError, match="larger than the capacity"):
         SamplerPool(cache, stream_sample, shard_size="1GB")
