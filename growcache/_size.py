@@ -31,7 +31,9 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
                 f"{name}={value!r} is not a size: write a byte count or a number with a unit "
                 "such as '500GB', '64MiB' or '256MB'"
             )
-        nbytes = int(float(match.group(1)) * _UNITS[unit])
+        number = match.group(1)
+        # Whole numbers stay exact integers: through float, "9007199254740993" loses its last digit.
+        nbytes = int(number) * _UNITS[unit] if number.isdigit() else int(float(number) * _UNITS[unit])
     else:
         raise ValueError(f"{name} must be an int or a string like '64MiB', got {type(value).__name__}")
     if nbytes <= 0:

@@ -48,7 +48,8 @@ def shuffle_seed(seed: int, epoch: int) -> np.random.Generator:
 
 def reader_seed(seed: int, epoch: int, reader: int) -> int:
     """The seed of reader ``reader``'s record shuffle in epoch ``epoch`` (both adapters use it)."""
-    return int(np.random.default_rng([seed, epoch, reader]).integers(2**62))
+    mask = 0xFFFFFFFFFFFFFFFF  # numpy seeds must be non-negative; a negative user seed is fine
+    return int(np.random.default_rng([int(seed) & mask, int(epoch) & mask, int(reader) & mask]).integers(2**62))
 
 
 @dataclass(frozen=True)

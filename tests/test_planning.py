@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from growcache.planning import plan_epoch
+from growcache.planning import plan_epoch, reader_seed
 
 
 def _rank_records(plan, records, rank):
@@ -118,3 +118,9 @@ def test_target_batches_sets_every_ranks_count(drop_last):
     with pytest.raises(ValueError, match="target_batches"):
         plan_epoch(records, epoch=0, seed=1, world_size=2, num_workers=2, batch_size=3, drop_last=drop_last,
                    target_batches=impossible)
+
+
+def test_reader_seeds_accept_any_integer_seed_and_differ_per_reader():
+    seeds = {reader_seed(seed, 3, reader) for seed in (-1, 0, 12345) for reader in range(4)}
+    assert len(seeds) == 12
+    assert reader_seed(-1, 3, 0) == reader_seed(-1, 3, 0)

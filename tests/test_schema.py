@@ -57,7 +57,8 @@ def test_validate_converts_big_endian_and_noncontiguous_input():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("500GB", 500 * 10**9), ("64MiB", 64 * 2**20), ("1.5 kb", 1500), (4096, 4096), ("10", 10)],
+    [("500GB", 500 * 10**9), ("64MiB", 64 * 2**20), ("1.5 kb", 1500), (4096, 4096), ("10", 10),
+     ("9007199254740993", 9007199254740993), ("9007199254740993kb", 9007199254740993000)],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
