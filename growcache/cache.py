@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import time
@@ -29,6 +30,8 @@ from .writer import ShardWriter, raise_if_disk_full, temp_owner, temp_shard_name
 __all__ = ["Cache", "CacheStats", "VerifyReport"]
 
 logger = logging.getLogger(__name__)
+
+_METADATA_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # atomic_write_bytes' temporary names
 
 DEFAULT_CAPACITY = "500GB"
 _WAIT_MIN, _WAIT_MAX = 0.02, 0.5
@@ -442,6 +445,12 @@ class Cache:
                 removed += _unlink_quiet(os.path.join(self.shards_dir, name))
         if removed:
             logger.info("removed %d abandoned temporary shards from %s", removed, self.path)
+        # Metadata, state and leases are only ever written under the lock, which we hold: a
+        # temporary of theirs is what a process killed mid-write left behind.
+        for directory in (self.path, self._manifest.leases_dir):
+            for name in _listdir(directory):
+                if _METADATA_TEMP.search(name):
+                    _unlink_quiet(os.path.join(directory, name))
         self._manifest.live_leases(remove_dead=True)
         return removed
 

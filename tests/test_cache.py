@@ -307,6 +307,19 @@ def test_stale_temporary_of_a_killed_writer_is_removed_on_open(id_cache):
     assert id_cache.list_shards() == []
 
 
+def test_metadata_temporaries_of_a_killed_process_are_removed_on_open(id_cache):
+    # A process killed inside atomic_write_bytes leaves "<file>.<uuid hex>.tmp" behind.
+    leftovers = [os.path.join(id_cache.path, "state.json." + "a" * 32 + ".tmp"),
+                 os.path.join(id_cache.path, "leases", "123-" + "b" * 32 + ".json." + "c" * 32 + ".tmp")]
+    for path in leftovers:
+        with open(path, "w") as f:
+            f.write("{")
+    mine = os.path.join(id_cache.path, "notes.tmp")  # not a name growcache writes: left alone
+    open(mine, "w").close()
+    Cache(id_cache.path)
+    assert not any(os.path.exists(p) for p in leftovers) and os.path.exists(mine)
+
+
 def test_verify_reports_flip_and_truncation_and_touches_nothing_else(id_cache):
     write_shards(id_cache, [5, 5, 5, 5])
     shards = id_cache.list_shards()
