@@ -1,8 +1,11 @@
-"""Process identity that survives pid reuse: ``(pid, start time)``."""
+"""Process identity that survives pid reuse: ``(pid, start time)``, and the machine it runs on."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import socket
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -27,8 +30,21 @@ def this_process() -> tuple[int, int | None]:
     return pid, process_start_time(pid)
 
 
-def is_alive(pid: int, start_time: int | None) -> bool:
-    """True if the process ``pid`` that started at ``start_time`` still runs."""
+@functools.lru_cache(maxsize=1)
+def this_host() -> str:
+    """A short tag of this machine (from its hostname), stored with every lease and temporary."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def is_alive(pid: int, start_time: int | None, host: str | None = None) -> bool:
+    """True if the process ``pid`` that started at ``start_time`` still runs.
+
+    A process of another machine (``host`` set and not :func:`this_host`) counts as alive:
+    this machine's process table says nothing about it, and judging it dead would delete
+    what it is using when a cache sits on a filesystem that several machines share.
+    """
+    if host is not None and host != this_host():
+        return True
     if not isinstance(pid, int) or pid <= 0:  # 0 and -1 would probe process groups, not a process
         return False
     try:

@@ -123,7 +123,8 @@ class Manifest:
         """Record a lease on ``seqs`` for this process and return its file path."""
         pid, start = _proc.this_process()
         path = os.path.join(self.leases_dir, f"{pid}-{uuid.uuid4().hex}.json")
-        body = {"pid": pid, "start_time": start, "created": time.time(), "holder": holder, "seqs": sorted(seqs)}
+        body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
+                "holder": holder, "seqs": sorted(seqs)}
         atomic_write_bytes(path, _dumps(body), self.file_mode)
         return path
 
@@ -152,9 +153,16 @@ class Manifest:
                 continue
             if lease is None:
                 continue
-            if _proc.is_alive(lease["pid"], lease.get("start_time")):
+            if _proc.is_alive(lease["pid"], lease.get("start_time"), lease.get("host")):
                 lease["path"] = path
                 leases.append(lease)
+                if lease.get("host") not in (None, _proc.this_host()) and path not in _FOREIGN_WARNED:
+                    _FOREIGN_WARNED.add(path)
+                    logger.warning(
+                        "lease %s (holder %r) was taken on another machine: its shards stay until that process "
+                        "closes it, since no process check reaches another machine. If that trainer is gone, "
+                        "delete the file. A cache directory is meant for the processes of one machine.",
+                        path, lease.get("holder", ""))
             elif remove_dead:
                 _unlink_quiet(path)
         return leases
@@ -176,6 +184,9 @@ class Manifest:
         return data
 
 
+_FOREIGN_WARNED: set[str] = set()  # leases of other machines already warned about, per process
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -188,6 +199,8 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
         problem = f"its pid is {lease.get('pid')!r}, not a positive integer"
     elif start_time is not None and not _is_int(start_time):
         problem = f"its start_time is {start_time!r}, not an integer"
+    elif not isinstance(lease.get("host") or "", str):
+        problem = f"its host is {lease['host']!r}, not a string"
     elif not (isinstance(seqs, list) and all(_is_int(seq) for seq in seqs)):
         problem = "its seqs are not a list of integers"
     else:

@@ -32,18 +32,21 @@ _IOV_MAX = 1024  # Linux's UIO_MAXIOV; POSIX guarantees at least 16, but no plat
 
 
 def temp_shard_name(token: str) -> str:
-    """A temporary name that tells which process writes it, so stale ones can be found."""
+    """A temporary name that tells which process of which machine writes it, so stale ones can be found."""
     pid, start = _proc.this_process()
-    return f"{TMP_PREFIX}{pid}-{start or 0}-{token}{SHARD_SUFFIX}"
+    return f"{TMP_PREFIX}{pid}-{start or 0}-{_proc.this_host()}-{token}{SHARD_SUFFIX}"
 
 
-def temp_owner(name: str) -> tuple[int, int | None] | None:
-    """``(pid, start time)`` of the writer of a temporary, or ``None`` if it is not one."""
+def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
+    """``(pid, start time, host tag)`` of the writer of a temporary, or ``None`` if it is not one.
+
+    Names written before the host tag existed have three parts and give ``None`` as the host.
+    """
     if not name.startswith(TMP_PREFIX):
         return None
     parts = name[len(TMP_PREFIX):].split("-")
     try:
-        return int(parts[0]), int(parts[1]) or None
+        return int(parts[0]), int(parts[1]) or None, parts[2] if len(parts) >= 4 else None
     except (IndexError, ValueError):
         return None
 

@@ -26,6 +26,7 @@ from growcache import (
     SchemaError,
     SchemaMismatchError,
 )
+from growcache import _proc
 from growcache.eviction import choose_evictions_fifo
 from growcache.records import iter_records
 from growcache.shard import ShardInfo
@@ -271,6 +272,31 @@ def test_a_damaged_lease_expires_instead_of_pinning_or_blocking(tmp_path, lease,
     assert [s.seq for s in cache.list_shards()] == [2, 3]
     assert not os.path.exists(lease_path)
     assert "1-damaged.json is damaged" in caplog.text
+
+
+def test_a_lease_taken_on_another_machine_is_never_judged_by_this_ones_processes(tmp_path, caplog):
+    # On a filesystem several machines share, a remote holder's pid means nothing here.
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10, 10])
+    lease_path = os.path.join(cache.path, "leases", "999999-remote.json")
+    with open(lease_path, "w") as f:
+        json.dump({"pid": 999999, "start_time": 1, "host": "0ther0ne", "seqs": [1, 2], "holder": "remote"}, f)
+    write_shards(cache, [10], first_id=100)
+    assert [s.seq for s in cache.list_shards()] == [1, 2, 3], "the remote lease keeps its shards"
+    assert os.path.exists(lease_path) and "taken on another machine" in caplog.text
+    os.unlink(lease_path)  # what the warning tells the user to do once that trainer is gone
+    write_shards(cache, [10], first_id=200)
+    assert [s.seq for s in cache.list_shards()] == [3, 4]
+
+
+def test_a_temporary_of_another_machine_is_kept_and_a_dead_local_one_removed(id_cache):
+    remote = os.path.join(id_cache.shards_dir, ".tmp-999999-1-0ther0ne-abcdef.tfrecord")
+    local = os.path.join(id_cache.shards_dir, f".tmp-999999-1-{_proc.this_host()}-abcdef.tfrecord")
+    older = os.path.join(id_cache.shards_dir, ".tmp-999999-1-abcdef.tfrecord")  # before the host tag
+    for path in (remote, local, older):
+        open(path, "wb").close()
+    id_cache.prune()
+    assert os.path.exists(remote) and not os.path.exists(local) and not os.path.exists(older)
 
 
 def test_a_lost_state_file_never_lets_a_publish_replace_a_shard(id_cache):
