@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # so a sample function may refill one array in place. The copy costs about 1 us per
 # 16 KiB record, a fraction of the syscall it saves.
 _DIRECT_FRAME_BYTES = 256 << 10
-_STAGE_BYTES = 256 << 10
+_STAGE_BYTES = _DIRECT_FRAME_BYTES  # so every record that is staged fits
 _IOV_MAX = 1024  # Linux's UIO_MAXIOV; POSIX guarantees at least 16, but no platform we run on has fewer
 
 
