@@ -98,6 +98,8 @@ class Cache:
         path: the cache directory; created if missing.
         capacity: the byte budget, as an int or a string like ``"500GB"`` or ``"64MiB"``.
             Default: the capacity stored in the cache, or ``"500GB"`` for a new cache.
+            Giving one stores it: every process using the cache, running samplers
+            included, enforces it from its next publish, snapshot or eviction on.
         schema: the features of every record (a :class:`Schema` or a mapping for one).
             Default: the schema stored in the cache. Required to write.
         eviction_policy: chooses shards to delete; see :mod:`growcache.eviction`.
@@ -390,6 +392,7 @@ class Cache:
 
     def _evict(self, to: int | str | None = None) -> list[ShardInfo]:
         """Like :meth:`evict`. Assumes you hold the lock."""
+        self._refresh_capacity()
         target = self.capacity if to is None else parse_size(to, name="to") if to != 0 else 0
         shards = self.list_shards()
         leased = self._leased_seqs()
@@ -407,10 +410,22 @@ class Cache:
         for a whole epoch once the cache is full (the trainer leases everything at each
         epoch start), and bounds the disk at capacity + leased bytes.
         """
+        self._refresh_capacity()
         shards = self.list_shards()
         leased = self._leased_seqs()
         leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
         return self.eviction_policy(shards, leased, self.capacity + leased_bytes, incoming, time.time())
+
+    def _refresh_capacity(self) -> None:
+        """Take up a capacity stored since this process opened the cache.
+
+        ``Cache(path, capacity=...)`` in any process changes the budget of every process
+        using the cache (running samplers included) from their next publish, snapshot or
+        eviction on; otherwise each would keep enforcing the budget it opened with.
+        """
+        metadata = self._manifest.read_metadata()
+        if metadata is not None and isinstance(metadata.get("capacity"), int) and metadata["capacity"] > 0:
+            self.capacity = metadata["capacity"]
 
     def _leased_seqs(self) -> set[int]:
         """Assumes you hold the lock (dead holders' leases are removed)."""
@@ -457,6 +472,7 @@ class Cache:
     # -- inspection -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         """Shards, bytes, records, counters, leases and budget use, right now."""
+        self._refresh_capacity()
         shards = self.list_shards()
         state = self._manifest.read_state()
         leases = self._manifest.live_leases()

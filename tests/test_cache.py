@@ -145,6 +145,17 @@ def test_fifo_eviction_keeps_budget(tmp_path):
     assert stats.evicted_bytes == 4 * _shard_bytes(10)
 
 
+def test_a_capacity_stored_by_another_process_binds_every_process(tmp_path):
+    path = tmp_path / "c"
+    sampler_side = Cache(path, capacity=_shard_bytes(10) * 3, schema=ID_SCHEMA)
+    write_shards(sampler_side, [10] * 3)
+    child = subprocess.run([sys.executable, "-c", f"import growcache; growcache.Cache({str(path)!r}, capacity={_shard_bytes(10)})"])
+    assert child.returncode == 0
+    assert sampler_side.stats().capacity == _shard_bytes(10)
+    write_shards(sampler_side, [10], first_id=100)  # the next publish enforces the new budget
+    assert [s.seq for s in sampler_side.list_shards()] == [4]
+
+
 def test_leased_shards_survive_and_closing_the_snapshot_trims_to_budget(tmp_path):
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
