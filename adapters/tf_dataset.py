@@ -16,7 +16,6 @@ remove a shard the epoch still has to read, and a finished epoch never pins shar
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
@@ -284,8 +283,11 @@ class _EpochSource:
         self._epochs = itertools.count()
         self._group = (cache.path, seed, batch_size, drop_remainder, pipelines, id(self) if pipelines == 1 else None)
         self._lock = threading.Lock()
-        self._open: dict[int, _OpenEpoch] = {}
-        self._waiting_iterators: collections.deque[_IteratorSlot] = collections.deque()
+        self._open: dict[int, _Entry] = {}  # epochs started and not yet ended, oldest first
+        self._live_iterators = 0
+        # Set once a dataset is built on ours (or anything else reads its graph): from then on
+        # iterators may exist that track() never saw.
+        self.derived = False
 
     # -- in-graph hooks ---------------------------------------------------------------------
     def start_epoch_op(self, _unused: tf.Tensor) -> tuple[tf.Tensor, ...]:
@@ -338,21 +340,18 @@ class _EpochSource:
             raise
         token = next(_TOKENS)
         with self._lock:
-            iterator = None
-            while self._waiting_iterators:
-                candidate = self._waiting_iterators.popleft()
-                if candidate.alive:
-                    iterator = candidate
-                    break
-            if iterator is None:
-                # An iterator we could not track (tf.distribute, a graph-mode loop): when it
-                # starts a new epoch, its previous unfinished one was abandoned.
-                abandoned = [t for t, e in self._open.items() if e.iterator is None]
-            else:
-                iterator.token = token
-                abandoned = []
-            self._open[token] = _OpenEpoch(entry, iterator)
+            self._open[token] = entry
+            # Epochs that were started and never ended: some were abandoned by an iterator that
+            # is gone, but which ones cannot be told from here, since an epoch starts inside
+            # TensorFlow without saying which iterator asked. So none is ended early unless
+            # more than _MAX_OPEN_EPOCHS are open at once: then the oldest goes, which bounds
+            # the disk that abandoned epochs of untracked iterators can pin.
+            abandoned = list(self._open)[:-_MAX_OPEN_EPOCHS] if len(self._open) > _MAX_OPEN_EPOCHS else []
         for old in abandoned:
+            logger.warning(
+                "more than %d epochs of the dataset over cache %s are open at once; ending the lease of the "
+                "oldest, taken as abandoned. Keep at most %d iterators of one dataset alive at a time.",
+                _MAX_OPEN_EPOCHS, self.cache.path, _MAX_OPEN_EPOCHS)
             self.finish_epoch(old)
         return (
             np.int64(token),
@@ -366,22 +365,25 @@ class _EpochSource:
     def finish_epoch(self, token: np.int64 | int) -> np.ndarray:
         """End the lease of epoch ``token``; idempotent. Returns no batch (an empty array)."""
         with self._lock:
-            epoch = self._open.pop(int(token), None)
-        if epoch is not None:
-            _SHARED.release(epoch.entry)
+            entry = self._open.pop(int(token), None)
+        if entry is not None:
+            _SHARED.release(entry)
         return np.empty(0, dtype=bytes)
 
     def track(self, iterator: Any) -> None:
-        """Release the lease of the epoch ``iterator`` reads when it is deleted."""
-        slot = _IteratorSlot()
+        """End abandoned epochs' leases when ``iterator`` is deleted, if it was the only reader."""
         with self._lock:
-            self._waiting_iterators.append(slot)
-        weakref.finalize(iterator, self._iterator_deleted, slot)
+            self._live_iterators += 1
+        weakref.finalize(iterator, self._iterator_deleted)
 
-    def _iterator_deleted(self, slot: _IteratorSlot) -> None:
-        slot.alive = False
-        if slot.token is not None:
-            self.finish_epoch(slot.token)
+    def _iterator_deleted(self) -> None:
+        with self._lock:
+            self._live_iterators -= 1
+            # With no iterator of ours alive and no dataset derived from ours (whose iterators
+            # we cannot see), every open epoch was abandoned: nobody can still be reading it.
+            abandoned = list(self._open) if self._live_iterators == 0 and not self.derived else []
+        for token in abandoned:
+            self.finish_epoch(token)
 
     def _take_snapshot(self) -> Snapshot:
         deadline = time.monotonic() + self.wait_for_shards
@@ -416,40 +418,41 @@ class _EpochSource:
 
 
 _TOKENS = itertools.count(1)
-
-
-class _IteratorSlot:
-    """One tracked iterator: the epoch it reads, once it has started one."""
-
-    __slots__ = ("alive", "token", "__weakref__")
-
-    def __init__(self) -> None:
-        self.alive = True
-        self.token: int | None = None
-
-
-class _OpenEpoch:
-    __slots__ = ("entry", "iterator")
-
-    def __init__(self, entry: _Entry, iterator: _IteratorSlot | None) -> None:
-        self.entry = entry
-        self.iterator = iterator
+_MAX_OPEN_EPOCHS = 4
 
 
 class _IteratorTrackingDataset(dataset_ops.UnaryUnchangedStructureDataset):
     """The finished pipeline, unchanged, plus a hook on every ``iter()`` over it.
 
-    The hook lets an iterator deleted mid-epoch end its epoch's lease at once. Iterators
-    made without ``iter()`` on this object (``tf.distribute`` and graph-mode loops) end an
-    abandoned epoch's lease when they start their next epoch instead.
+    The hook lets the last iterator, deleted mid-epoch, end its epoch's lease at once.
+    Iterators made without ``iter()`` on this object (over a dataset derived from it, by
+    ``tf.distribute`` or a graph-mode loop) cannot be seen; reading this dataset's graph
+    for anything but our own ``iter()`` marks the source as derived, which turns the hook's
+    early release off. Their abandoned epochs end when too many are open (see
+    ``_MAX_OPEN_EPOCHS``) or when the dataset is garbage-collected.
     """
 
     def __init__(self, dataset: tf.data.Dataset, source: _EpochSource) -> None:
         self._source = source
+        self._own_iter = threading.local()
         super().__init__(dataset, dataset._variant_tensor)  # noqa: SLF001 - the same graph, re-wrapped
 
+    @property
+    def _variant_tensor(self):
+        if not getattr(self._own_iter, "active", False):
+            self._source.derived = True
+        return self._variant_tensor_attr
+
+    @_variant_tensor.setter
+    def _variant_tensor(self, _):
+        raise ValueError("The `_variant_tensor` property cannot be modified.")
+
     def __iter__(self):
-        iterator = super().__iter__()
+        self._own_iter.active = True
+        try:
+            iterator = super().__iter__()
+        finally:
+            self._own_iter.active = False
         self._source.track(iterator)
         return iterator
 
