@@ -130,8 +130,7 @@ class _CacheStream(IterableDataset):
         self.generation = generation
         self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader
 
-    def _receive(self, worker: int) -> _EpochMessage:
-        expected = self.generation.value
+    def _receive(self, worker: int, expected: int) -> _EpochMessage:
         deadline = time.monotonic() + _PLAN_TIMEOUT_S
         while True:
             try:
@@ -142,6 +141,13 @@ class _CacheStream(IterableDataset):
                 return message
 
     def __iter__(self) -> Iterator[Any]:
+        # The epoch is fixed here, when DataLoader asks for the iterator, not when the first
+        # batch is pulled: a persistent worker may pull a leftover request of an abandoned
+        # epoch after the next epoch was announced, and that stale pull must not take the
+        # next epoch's plan (the real next epoch would then wait for a plan that never comes).
+        return self._batches(self.generation.value)
+
+    def _batches(self, generation: int) -> Iterator[Any]:
         info = get_worker_info()
         reader = BatchReader(self.schema, self.batch_size, frames=_FRAMES[self.reader], verify=self.verify,
                              on_corrupt=self.on_corrupt, drop_last=self.drop_last,
@@ -150,7 +156,7 @@ class _CacheStream(IterableDataset):
             message = self.local
             slab = None
         else:
-            message = self._receive(info.id)
+            message = self._receive(info.id, generation)
             slab = self.slabs[info.id]
             slab.prefault()
             slab.start_generation(message.generation, message.held)

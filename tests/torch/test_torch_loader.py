@@ -257,6 +257,30 @@ def test_zero_copy_batches_kept_across_epochs_survive_new_workers(tmp_path):
             assert bool((x == i + 1).all()), f"record {i} changed after the next epoch"
 
 
+def test_a_slow_worker_abandoned_before_its_first_batch_leaves_the_next_epoch_whole(id_cache, monkeypatch):
+    # Worker 1 reaches its first pull of epoch 1 only after the loop broke out and epoch 2 was
+    # announced. That stale pull belongs to epoch 1 and must not take epoch 2's plan.
+    import growcache.adapters.torch_loader as torch_loader
+
+    written = write_shards(id_cache, [40] * 4)
+    monkeypatch.setattr(torch_loader, "_PLAN_TIMEOUT_S", 8.0)
+    receive = torch_loader._CacheStream._receive
+    slowed = []
+
+    def slow_first_receive(self, worker, *args):
+        if worker == 1 and not slowed:  # forked workers inherit the flag unset: each slows once
+            slowed.append(worker)
+            time.sleep(1.5)
+        return receive(self, worker, *args)
+
+    monkeypatch.setattr(torch_loader._CacheStream, "_receive", slow_first_receive)
+    loader = make_torch_loader(id_cache, 4, num_workers=2, seed=0, persistent_workers=True,
+                               multiprocessing_context="fork")
+    for _ in loader:
+        break
+    assert sorted(_epoch(loader)) == written
+
+
 def test_abandoned_epoch_then_next_epoch_is_complete(id_cache):
     written = write_shards(id_cache, [10] * 4)
     loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True)
