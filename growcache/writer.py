@@ -174,7 +174,10 @@ class ShardWriter:
                 self._flush()
             stage, position = self._stage, self._staged
             for piece in pieces:
-                piece = memoryview(piece).cast("B")
+                piece = memoryview(piece)
+                if not piece.nbytes:  # an empty feature, e.g. shape (0, 3): cast() refuses zero dims
+                    continue
+                piece = piece.cast("B")
                 end = position + piece.nbytes
                 stage[position:end] = piece
                 position = end

@@ -78,3 +78,13 @@ def test_big_endian_and_strided_arrays_are_written_little_endian(tmp_path):
         writer.write({"x": np.arange(8, dtype=np.int32)[::2]})
     got = [s["x"].tolist() for s in _read_back(cache)]
     assert got == [[0, 1, 2, 3], [0, 2, 4, 6]]
+
+
+@pytest.mark.parametrize("rows", [1, 1 << 17], ids=["staged", "direct"])
+def test_a_feature_with_a_zero_dimension_is_written_and_read_back(tmp_path, rows):
+    schema = Schema({"empty": ("float32", (0, 3)), "x": ("float32", (rows,))})
+    cache = Cache(tmp_path / "c", capacity=1 << 30, schema=schema)
+    with cache.writer() as writer:
+        writer.write({"empty": np.zeros((0, 3), np.float32), "x": np.full(rows, 2, np.float32)})
+    (sample,) = _read_back(cache)
+    assert sample["empty"].shape == (0, 3) and (sample["x"] == 2).all()
