@@ -175,10 +175,15 @@ def make_tf_dataset(
         )
         if source.pipelines > 1:
             # Equal batch counts: a long pipeline stops at its quota, a short one re-reads
-            # its own shards (planning's "top up"). One pipeline always reads everything,
-            # and skips these stages (each costs a call per record).
-            records = records.take(take)
-            records = records.concatenate(read(top_up, buffer_size=read_buffer).repeat().take(extra))
+            # its own shards (planning's "top up"). The quota is counted after verification,
+            # so a pipeline that skips a corrupt shard tops up too, from verified shards.
+            # One pipeline always reads everything, and skips these stages (each costs a
+            # call per record).
+            top_up_files = tf.data.Dataset.from_tensor_slices(top_up)
+            if source.verify:
+                top_up_files = top_up_files.map(source.verified_path_op).filter(lambda p: tf.strings.length(p) > 0)
+            top_up_records = top_up_files.map(lambda p: read(p, buffer_size=read_buffer)).flat_map(lambda d: d)
+            records = records.concatenate(top_up_records.repeat()).take(take + extra)
         if shuffle_buffer:
             records = records.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
         # Batched here, so the stages after flat_map cost a call per batch, not per record.
@@ -356,7 +361,7 @@ class _EpochSource:
         return (
             np.int64(token),
             paths,
-            top_up if quota > total else top_up[:0],
+            top_up,  # read only once this pipeline's own verified records fall short of its quota
             np.int64(min(quota, total)),
             np.int64(max(quota - total, 0)),
             np.int64(record_seed),

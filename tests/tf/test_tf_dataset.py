@@ -309,3 +309,19 @@ def test_corrupt_shard_is_skipped_and_counted_on_request(id_cache, caplog):
     assert sorted(got) == ids[:4] + ids[8:]
     assert [e.path for e in ds.corrupt_shards] == [bad.path]
     assert bad.path in caplog.text
+
+
+def test_pipelines_stay_even_when_one_skips_a_corrupt_shard(id_cache):
+    # Synced replicas hang if one input pipeline yields fewer batches than another.
+    write_shards(id_cache, [10, 4, 4])
+    with open(id_cache.list_shards()[1].path, "r+b") as f:
+        f.seek(60)
+        f.write(b"\xff\xff\xff")
+    per_pipeline = []
+    for pipeline in range(2):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline, num_replicas_in_sync=2)
+        ds = make_tf_dataset(id_cache, 2, seed=0, on_corrupt="skip", shuffle_buffer=0, input_context=ctx)
+        per_pipeline.append([b["id"].numpy().tolist() for b in ds])
+    assert len(per_pipeline[0]) == len(per_pipeline[1]) > 0
+    corrupt_ids = set(range(10, 14))
+    assert not corrupt_ids & {i for batches in per_pipeline for b in batches for i in b}
