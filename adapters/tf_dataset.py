@@ -465,8 +465,8 @@ class _IteratorTrackingDataset(dataset_ops.UnaryUnchangedStructureDataset):
 class _Entry:
     __slots__ = ("snapshot", "seed", "claims", "users", "listed")
 
-    def __init__(self, snapshot: Snapshot, seed: int) -> None:
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Snapshot | None, seed: int) -> None:
+        self.snapshot = snapshot  # None while the pipeline that takes it waits for shards
         self.seed = seed
         self.claims = 0
         self.users = 0
@@ -485,29 +485,53 @@ class _SharedSnapshots:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._taken = threading.Condition(self._lock)
         self._entries: dict[tuple, tuple[int, _Entry]] = {}
 
     def claim(self, group: tuple, epoch: int, expected: int, take) -> _Entry:
         with self._lock:
-            current = self._entries.get(group)
-            if current is not None and current[0] == epoch:
+            while True:
+                current = self._entries.get(group)
+                if current is None or current[0] != epoch:
+                    break
                 entry = current[1]
-            else:
-                if current is not None:
-                    self._unlist(group, current[1])
-                seed = np.random.SeedSequence().entropy if group[1] is None else group[1]
-                entry = _Entry(take(), int(seed) % 2**63)
-                self._entries[group] = (epoch, entry)
-            entry.claims += 1
-            entry.users += 1
-            if entry.claims >= expected:
-                self._unlist(group, entry)
-            return entry
+                if entry.snapshot is not None:
+                    return self._claimed(group, entry, expected)
+                self._taken.wait()  # another pipeline of this group is taking the snapshot
+            if current is not None:
+                self._unlist(group, current[1])
+            seed = np.random.SeedSequence().entropy if group[1] is None else group[1]
+            entry = _Entry(None, int(seed) % 2**63)
+            self._entries[group] = (epoch, entry)
+        # Outside the lock: taking a snapshot may wait for a first shard (wait_for_shards),
+        # and other groups' epochs must not wait with it.
+        try:
+            snapshot = take()
+        except BaseException:
+            with self._lock:
+                if self._entries.get(group, (None, None))[1] is entry:
+                    del self._entries[group]
+                self._taken.notify_all()
+            raise
+        with self._lock:
+            entry.snapshot = snapshot
+            self._taken.notify_all()
+            if self._entries.get(group, (None, None))[1] is not entry:  # a later epoch took over meanwhile
+                entry.listed = False
+            return self._claimed(group, entry, expected)
+
+    def _claimed(self, group: tuple, entry: _Entry, expected: int) -> _Entry:
+        """Count one pipeline's claim on ``entry``. Assumes you hold the lock."""
+        entry.claims += 1
+        entry.users += 1
+        if entry.claims >= expected:
+            self._unlist(group, entry)
+        return entry
 
     def release(self, entry: _Entry) -> None:
         with self._lock:
             entry.users -= 1
-            if entry.users == 0 and not entry.listed:
+            if entry.users == 0 and not entry.listed and entry.snapshot is not None:
                 entry.snapshot.close()
 
     def _unlist(self, group: tuple, entry: _Entry) -> None:
@@ -515,7 +539,7 @@ class _SharedSnapshots:
         if self._entries.get(group, (None, None))[1] is entry:
             del self._entries[group]
         entry.listed = False
-        if entry.users == 0:
+        if entry.users == 0 and entry.snapshot is not None:
             entry.snapshot.close()
 
 

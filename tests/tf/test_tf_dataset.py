@@ -325,3 +325,25 @@ def test_pipelines_stay_even_when_one_skips_a_corrupt_shard(id_cache):
     assert len(per_pipeline[0]) == len(per_pipeline[1]) > 0
     corrupt_ids = set(range(10, 14))
     assert not corrupt_ids & {i for batches in per_pipeline for b in batches for i in b}
+
+
+def test_a_dataset_waiting_for_its_first_shard_does_not_hold_up_another(id_cache, tmp_path):
+    write_shards(id_cache, [8, 8])
+    empty = Cache(tmp_path / "empty", capacity="1GB", schema=ID_SCHEMA)
+    waiting = make_tf_dataset(empty, 4, seed=0, wait_for_shards=120)
+    ready = make_tf_dataset(id_cache, 4, seed=0)
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.extend(int(i) for i in next(iter(waiting))["id"].numpy()))
+    thread.start()
+    from growcache.adapters.tf_dataset import _SHARED
+
+    deadline = time.monotonic() + 3
+    while waiting._source._group not in _SHARED._entries and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the waiting dataset is inside its epoch start, polling for shards
+    assert thread.is_alive()
+    ids = [int(i) for b in ready for i in b["id"].numpy()]
+    assert sorted(ids) == list(range(16))
+    assert thread.is_alive(), "the other dataset is still waiting for its first shard"
+    write_shards(empty, [4], first_id=100)
+    thread.join(60)
+    assert sorted(got) == [100, 101, 102, 103]
