@@ -286,7 +286,12 @@ class _EpochSource:
         self.wait_for_shards = wait_for_shards
         self.corrupt_shards: list[CorruptShardError] = []
         self._epochs = itertools.count()
-        self._group = (cache.path, seed, batch_size, drop_remainder, pipelines, id(self) if pipelines == 1 else None)
+        # The pipelines of one distributed dataset share each epoch's snapshot. Which datasets
+        # belong together is not visible from here, so they pair by construction order:
+        # distribute_datasets_from_function builds pipelines 0..n-1 of one dataset before
+        # the next dataset's, and the k-th built for each pipeline id form group k.
+        key = (cache.path, seed, batch_size, drop_remainder, pipelines)
+        self._group = (*key, id(self) if pipelines == 1 else _construction_ordinal(key, pipeline))
         self._lock = threading.Lock()
         self._open: dict[int, _Entry] = {}  # epochs started and not yet ended, oldest first
         self._live_iterators = 0
@@ -423,6 +428,16 @@ class _EpochSource:
 
 
 _TOKENS = itertools.count(1)
+_CONSTRUCTED: dict[tuple, int] = {}
+_CONSTRUCTED_LOCK = threading.Lock()
+
+
+def _construction_ordinal(key: tuple, pipeline: int) -> int:
+    """How many datasets with ``key`` were built for ``pipeline`` before this one."""
+    with _CONSTRUCTED_LOCK:
+        ordinal = _CONSTRUCTED.get((key, pipeline), 0)
+        _CONSTRUCTED[(key, pipeline)] = ordinal + 1
+        return ordinal
 _MAX_OPEN_EPOCHS = 4
 
 

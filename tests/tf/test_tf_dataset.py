@@ -347,3 +347,20 @@ def test_a_dataset_waiting_for_its_first_shard_does_not_hold_up_another(id_cache
     write_shards(empty, [4], first_id=100)
     thread.join(60)
     assert sorted(got) == [100, 101, 102, 103]
+
+
+def test_two_distributed_datasets_on_one_cache_never_share_an_epoch(id_cache):
+    written = write_shards(id_cache, [6] * 8)
+
+    def pipeline(i, label=None):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=i, num_replicas_in_sync=2)
+        return make_tf_dataset(id_cache, 2, seed=None, shuffle_buffer=0, label=label, input_context=ctx)
+
+    a = [pipeline(0), pipeline(1)]
+    b = [pipeline(0, "id"), pipeline(1, "id")]
+    a0 = iter(a[0])
+    got = [int(i) for i in next(a0)["id"].numpy()]
+    next(iter(b[0]))  # b's epoch starts between a's two pipelines
+    got += [int(i) for batch in a0 for i in batch["id"].numpy()]
+    got += [int(i) for batch in a[1] for i in batch["id"].numpy()]
+    assert sorted(got) == written
