@@ -416,6 +416,15 @@ class Cache:
         leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
         return self.eviction_policy(shards, leased, self.capacity + leased_bytes, incoming, time.time())
 
+    def _next_sampler_run(self) -> int:
+        """Count one more sampler pool started on this cache; return how many started before."""
+        with self._locked():
+            state = self._manifest.read_state()
+            run = int(state.get("sampler_runs", 0))
+            state["sampler_runs"] = run + 1
+            self._manifest.write_state(state)
+        return run
+
     def _refresh_capacity(self) -> None:
         """Take up a capacity stored since this process opened the cache.
 

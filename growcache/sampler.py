@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -65,9 +65,13 @@ DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
 
 
-def worker_rng(seed: int, worker: int, restart: int) -> np.random.Generator:
-    """The RNG of ``worker`` after ``restart`` restarts: independent streams, reproducible by seed."""
-    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(worker, restart)))
+def worker_rng(seed: int, worker: int, restart: int, run: int = 0) -> np.random.Generator:
+    """The RNG of ``worker`` after ``restart`` restarts, in the ``run``-th pool started on its cache.
+
+    Independent streams, reproducible by seed: a fresh cache sampled with one seed gets the
+    same records again, and a later pool on the same cache never replays earlier ones.
+    """
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(worker, restart, run)))
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class _WorkerConfig:
     max_shard_age: float | None
     record_frame: int
     log_level: int
+    run: int = 0
 
 
 class SamplerPool:
@@ -140,7 +145,10 @@ class SamplerPool:
         max_shard_age: seconds after its first record a shard is published even if
             small, so the first epoch has shards soon; ``None`` for size only.
             Default: ``10.0``.
-        seed: seed of every worker's RNG stream (see :func:`worker_rng`). Default: ``0``.
+        seed: seed of every worker's RNG stream (see :func:`worker_rng`). The cache counts
+            the pools started on it, and the count is part of every stream's seed: a pool
+            resumed on a cache that already holds samples draws new ones instead of replaying
+            them, and a fresh cache with the same seed gets the same records. Default: ``0``.
         max_restarts: restarts allowed per worker before the pool fails. Default: ``3``.
 
     Raises:
@@ -251,6 +259,7 @@ class SamplerPool:
         self._counters = self._ctx.Array("q", self.workers * _NSLOTS, lock=False)
         self._events = self._ctx.Queue()
         self._stop_event = self._ctx.Event()
+        self._config = replace(self._config, run=self.cache._next_sampler_run())
         self._started_at = time.monotonic()
         self._state = "running"
         with self._lock:
@@ -558,7 +567,7 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
     writer = None
     source = cfg.source
     try:
-        cache, rng = cfg.cache, worker_rng(cfg.seed, index, restart)
+        cache, rng = cfg.cache, worker_rng(cfg.seed, index, restart, cfg.run)
         opened = 0.0
         sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
 

@@ -105,6 +105,18 @@ def test_pool_writes_reproducible_distinct_streams_and_stops_clean(cache):
         pool.start()
 
 
+def test_a_second_pool_on_the_same_cache_draws_new_samples(cache):
+    # A resumed `growcache sample` or a restarted training script must not fill the cache
+    # with copies of what the last run already wrote.
+    for _ in range(2):
+        with SamplerPool(cache, stream_sample, workers=1, shard_size=10 * RECORD, max_shard_age=None, seed=7) as pool:
+            pool.wait_for(records=20, timeout=60)
+    keys = [tuple(r["v"]) for r in read_records(cache)]
+    assert len(keys) >= 40 and len(set(keys)) == len(keys)
+    first_run = worker_rng(7, 0, 0, run=0)
+    assert tuple(stream_sample(first_run)["v"]) == keys[0], "a fresh cache with the same seed gets the same records"
+
+
 def test_shards_rotate_by_age_when_samples_are_slow(cache):
     with SamplerPool(cache, slow_sample, workers=1, shard_size="8MB", max_shard_age=0.3) as pool:
         start = time.monotonic()
