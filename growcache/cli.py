@@ -110,7 +110,12 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except ValueError as exc:  # a bad --cache, --capacity, --shard-size or --storage-option
+        if isinstance(exc, GrowcacheError):
+            raise
+        raise _UsageError(str(exc)) from exc
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -102,16 +102,6 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="3 short epochs (for tests)")
 
 
-def _storage_options(pairs: list[str]) -> dict[str, str]:
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--storage-option expects KEY=VALUE, got {pair!r}")
-        options[key] = value
-    return options
-
-
 def _epoch_shards(cache: Any) -> set[int]:
     """The shards this process's newest lease holds: exactly the epoch's snapshot."""
     leases = [lease for lease in cache._manifest.live_leases() if lease.get("pid") == os.getpid()]
@@ -227,7 +217,7 @@ _HEADER = (f"{'framework':<9} {'epoch':>5} {'shards':>6} {'new':>4} {'evicted':>
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; return the exit code."""
     from .cache import Cache
-    from .sampler import SamplerPool
+    from .sampler import SamplerPool, _parse_storage_options
     from .schema import Schema
     from .sources import NpyWindowSource
 
@@ -235,11 +225,19 @@ def run_demo(args: argparse.Namespace) -> int:
         args.epochs, args.epoch_seconds = 3, 1.0
     workdir = os.path.abspath(args.workdir)
     cache_dir = args.cache or os.path.join(workdir, "cache")
-    storage_options = _storage_options(args.storage_option)
+    # Bad arguments are ValueErrors, which the CLI reports as usage errors (exit 2).
+    storage_options = _parse_storage_options(args.storage_option)
+    parse_size(args.capacity, name="--capacity")
+    parse_size(args.shard_size, name="--shard-size")
+    if os.path.isdir(cache_dir) and os.listdir(cache_dir):
+        if not os.path.exists(os.path.join(cache_dir, "growcache.json")):
+            raise ValueError(
+                f"--cache {cache_dir} is a directory that is not a growcache cache; the demo empties its cache "
+                "before every run, so it will not touch it. Give a new directory, or leave --cache out."
+            )
+        shutil.rmtree(cache_dir)  # every demo run starts from an empty cache, to show the growth
     url = args.source or ensure_store(os.path.join(workdir, "store"))
     source = NpyWindowSource(url, WINDOW, storage_options=storage_options)
-    if os.path.isdir(cache_dir):
-        shutil.rmtree(cache_dir)  # every demo run starts from an empty cache, to show the growth
     cache = Cache(cache_dir, capacity=args.capacity, schema=Schema(FEATURES))
     frameworks = ["torch", "tf"] if args.framework == "both" else [args.framework]
     print(f"store {source!r}\ncache {cache_dir} (budget {format_size(cache.capacity)}, "
@@ -253,6 +251,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # its first epoch sees the first shards and the table shows the cache growing from there.
     pool = SamplerPool(cache, DemoSample(source, args.store_mbps), workers=args.workers,
                        shard_size=args.shard_size, max_shard_age=1.0, seed=0)
+    child = None
     try:
         for framework in frameworks:
             options = {"cache": cache_dir, "epochs": args.epochs, "batch_size": args.batch_size,
@@ -300,6 +299,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 child.kill()
                 child.join()
     finally:
+        # A failed pool ends the loop by raising: the trainer must not be left waiting for shards.
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join()
         pool.stop(raise_on_failure=not failed)
     stats = cache.stats()
     print(f"\ncache left at {cache_dir}: {stats.shards} shards, {format_size(stats.bytes)}; "

@@ -209,6 +209,8 @@ class SamplerPool:
         self.workers = workers
         self.shard_size = size
         self.max_shard_age = max_shard_age
+        if int(seed) < 0:
+            raise ValueError(f"seed must be 0 or more, got {seed}")
         self.seed = int(seed)
         self.max_restarts = max_restarts
         self._config = _WorkerConfig(cache, source, self.seed, size, max_shard_age, frame,
@@ -653,6 +655,15 @@ def _parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
+def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) -> None:
+    if shard_size is None or capacity is None:
+        return
+    shard_bytes, capacity_bytes = parse_size(shard_size, name="--shard-size"), parse_size(capacity, name="--capacity")
+    if shard_bytes > capacity_bytes:
+        raise ValueError(f"--shard-size {shard_size} is larger than the cache's capacity of {capacity_bytes} bytes: "
+                         "lower --shard-size or raise --capacity")
+
+
 def run_sample_command(args: Any) -> int:
     """``growcache sample``: grow a cache from a source URL until Ctrl-C or ``--records``.
 
@@ -672,19 +683,30 @@ def run_sample_command(args: Any) -> int:
     shape = getattr(args, "shape", None)
     if isinstance(shape, str):
         shape = tuple(int(d) for d in shape.replace("x", ",").split(",") if d.strip())
+    # ValueErrors here are usage errors: the CLI reports them and exits 2.
+    if (getattr(args, "dtype", None) is None) != (shape is None):
+        raise ValueError("--dtype and --shape go together: raw objects need both; .npy objects need neither")
+    workers = getattr(args, "workers", 1)
+    if workers is None or workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    seed = getattr(args, "seed", 0) or 0
+    if seed < 0:
+        raise ValueError(f"--seed must be 0 or more, got {seed}")
+    shard_size = getattr(args, "shard_size", None)
+    _check_shard_size(shard_size, getattr(args, "capacity", None))
     options = _parse_storage_options(getattr(args, "storage_option", None))
     source = open_source(args.source, window=getattr(args, "window", None), feature=getattr(args, "feature", "x"),
                          dtype=getattr(args, "dtype", None), shape=shape, storage_options=options)
     cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
     if cache.schema is None:
-        probe = source(np.random.default_rng(getattr(args, "seed", 0)))
+        probe = source(np.random.default_rng(seed))
         schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
         cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
         logger.info("cache %s: schema %r taken from the source", cache.path, schema)
     target = getattr(args, "records", None)
-    pool = SamplerPool(cache, source, workers=getattr(args, "workers", 1) or 1,
-                       shard_size=getattr(args, "shard_size", None),
-                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=getattr(args, "seed", 0) or 0)
+    _check_shard_size(shard_size, cache.capacity)
+    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
+                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed)
     interrupted = False
     with tqdm(total=target, unit="rec", desc="sample", disable=getattr(args, "quiet", False) or None) as bar:
         pool.start()

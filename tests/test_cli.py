@@ -45,6 +45,17 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 2
 
 
+def test_demo_refuses_a_cache_directory_it_did_not_make(tmp_path, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("my data")
+    assert main(["demo", "--workdir", str(tmp_path / "w"), "--cache", str(precious), "--quick"]) == 2
+    assert "not a growcache cache" in capsys.readouterr().err
+    assert (precious / "thesis.txt").read_text() == "my data"
+    assert main(["demo", "--workdir", str(tmp_path / "w"), "--capacity", "bogus", "--quick"]) == 2
+    assert main(["demo", "--workdir", str(tmp_path / "w"), "--storage-option", "novalue", "--quick"]) == 2
+
+
 def test_console_script_is_installed(id_cache):
     exe = os.path.join(os.path.dirname(sys.executable), "growcache")
     result = subprocess.run([exe, "status", id_cache.path], capture_output=True, text=True, timeout=60)
@@ -75,6 +86,11 @@ def test_sample_usage_and_store_errors(tmp_path, capsys):
     assert main(["sample", str(tmp_path)]) == 2  # no cache path
     assert main(["sample", "file:///x/*.npy", str(tmp_path / "c"), "--storage-option", "novalue"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+    store = f"file://{tmp_path}/none/*.npy"
+    for extra, message in [(["--workers", "0"], "--workers"), (["--dtype", "float32"], "--dtype and --shape"),
+                           (["--seed", "-1"], "--seed"), (["--capacity", "1MB", "--shard-size", "2MB"], "--shard-size")]:
+        assert main(["sample", store, str(tmp_path / "c3"), *extra]) == 2, extra
+        assert message in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["sample", f"file://{empty}/*.npy", str(tmp_path / "c2"), "--records", "1", "-q"]) == 1

@@ -35,3 +35,16 @@ def test_demo_quick_grows_the_cache_for_both_frameworks(tmp_path):
     assert rows["tf"][-1][1] >= torch_shards[0]
     summary = result.stdout.strip().splitlines()[-1]
     assert "growcache status" in summary and os.path.isdir(tmp_path / "demo" / "cache")
+
+
+@pytest.mark.timeout(120)
+def test_demo_ends_at_once_when_its_samplers_fail(tmp_path):
+    # The trainer waits up to 60 s for a first shard; a failed pool must end it, not wait it out.
+    exe = os.path.join(os.path.dirname(sys.executable), "growcache")
+    result = subprocess.run(
+        [exe, "demo", "--quick", "--framework", "torch", "--workdir", str(tmp_path / "demo"),
+         "--source", f"file://{tmp_path}/nothere/*.npy"],
+        capture_output=True, text=True, timeout=50,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nothere" in result.stderr
