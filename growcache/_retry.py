@@ -174,9 +174,9 @@ class Redactor:
     """Removes credentials of ``storage_options`` (and URL user info) from any text.
 
     Args:
-        storage_options: the options given to fsspec; the string values of every key that
-            looks like a credential (``key``, ``secret``, ``token``, ``password``, ...) are
-            secrets, at any nesting depth.
+        storage_options: the options given to fsspec; the values (strings, and numbers of
+            six digits or more) of every key that looks like a credential (``key``,
+            ``secret``, ``token``, ``password``, ...) are secrets, at any nesting depth.
         urls: URLs whose user info (``user:password@``) is a secret too.
     """
 
@@ -207,9 +207,12 @@ def _collect(value: Any, secret: bool, out: set[str]) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _collect(item, secret, out)
-    elif secret and isinstance(value, (str, bytes)):
-        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-        if text.lower() not in _NOT_SECRET:
+    elif secret and value is not None and not isinstance(value, bool):
+        # Numbers too: the CLI parses option values as JSON, so password=81234567 is an int.
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        # A short number would scrub every "3" from every message; such a value is no secret anyway.
+        long_enough = isinstance(value, (str, bytes)) or len(text) >= 6
+        if text.lower() not in _NOT_SECRET and long_enough:
             out.add(text)
 
 
@@ -218,6 +221,6 @@ def _masked(value: Any, secret: bool) -> Any:
         return {k: _masked(v, secret or bool(_SECRET_KEY.search(str(k)))) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_masked(v, secret) for v in value)
-    if secret and isinstance(value, (str, bytes)) and str(value).lower() not in _NOT_SECRET:
+    if secret and value is not None and not isinstance(value, bool) and str(value).lower() not in _NOT_SECRET:
         return "***"
     return value

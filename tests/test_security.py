@@ -325,3 +325,14 @@ def test_mode_argument_sets_directories_and_files(tmp_path, no_umask):
     assert {name: oct(mode) for name, mode in modes.items() if name in dirs} == {name: "0o750" for name in dirs}
     assert {name: oct(mode) for name, mode in modes.items() if name not in dirs} == {
         name: "0o640" for name in modes if name not in dirs}
+
+
+def test_a_numeric_credential_is_masked_too():
+    # The CLI parses --storage-option values as JSON, so password=81234567 arrives as an int.
+    from growcache._retry import Redactor
+
+    options = {"password": 81234567, "client_kwargs": {"token": 3}, "anon": False}
+    redact = Redactor(options)
+    shown = redact.options_repr(options)
+    assert "81234567" not in shown and "'password': '***'" in shown and "'anon': False" in shown
+    assert redact("cannot open with password 81234567 (attempt 3)") == "cannot open with password *** (attempt 3)"
