@@ -20,6 +20,7 @@ as local file names.
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import os
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_MAX_NPY_HEADER = 1 << 20
 
 Sample = dict[str, np.ndarray]
 Decoder = Callable[[bytes, str], "np.ndarray | Mapping[str, Any]"]
@@ -419,18 +422,21 @@ class NpyWindowSource(_StoreSource):
             hlen, hstart = struct.unpack("<I", head[8:12])[0], 12
         else:
             raise SourceError(f"{url} is a .npy file of unknown format version {major}.{head[7]}")
+        if hlen > _MAX_NPY_HEADER:
+            raise SourceError(f"{url} has a .npy header of {hlen} bytes, more than {_MAX_NPY_HEADER}: it is damaged "
+                              "or not an array growcache can sample. Re-save it with numpy.save.")
         if hstart + hlen > len(head):  # a rare long header: read the rest of it
             head += self._fetch(path, len(head), hstart + hlen)
         try:
-            fp = io.BytesIO(head[: hstart + hlen])
-            version = np.lib.format.read_magic(fp)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
-            elif version == (2, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
-            else:
-                shape, fortran, dtype = np.lib.format._read_array_header(fp, version)
-        except (ValueError, SyntaxError) as exc:
+            # Parsed here for every version: numpy's own readers differ between its releases
+            # (version 3.0 has no public one) and refuse headers past 10,000 bytes.
+            text = bytes(head[hstart:hstart + hlen]).decode("utf-8" if major == 3 else "latin-1")
+            fields = ast.literal_eval(text)
+            if not isinstance(fields, dict) or not {"descr", "fortran_order", "shape"} <= fields.keys():
+                raise ValueError(f"the header {text.strip()!r} lacks descr, fortran_order or shape")
+            dtype = np.lib.format.descr_to_dtype(fields["descr"])
+            shape, fortran = tuple(int(d) for d in fields["shape"]), bool(fields["fortran_order"])
+        except (ValueError, SyntaxError, TypeError) as exc:
             raise SourceError(f"{url} has a damaged .npy header: {exc}") from exc
         if fortran and len(shape) > 1:
             raise SourceError(

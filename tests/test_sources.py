@@ -364,3 +364,17 @@ def test_source_pickles_without_its_filesystem(file_store):
     assert source._fs is not None and source.bytes_fetched > 0
     state = pickle.loads(pickle.dumps(source)).__dict__
     assert state["_fs"] is None and state["bytes_fetched"] == 0
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_window_reads_every_npy_format_version(file_store, version):
+    array = np.arange(60, dtype=">f8").reshape(20, 3)
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=version)
+    url = file_store.put(f"v{version[0]}.npy", buffer.getvalue())
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        window = NpyWindowSource(url, 4)(rng)["x"]
+        assert window.shape == (4, 3)
+        start = int(window[0, 0]) // 3
+        np.testing.assert_array_equal(window, array[start:start + 4])
