@@ -230,6 +230,7 @@ class SamplerPool:
         self._failure_reported = False
         self._last_error: str | None = None
         self._started_at: float | None = None
+        self._stopped_at: float | None = None
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
         self._state = "new"  # new -> running -> stopped
 
@@ -322,6 +323,7 @@ class SamplerPool:
             self._remove_temporaries()
             self._events.close()
             self._events.join_thread()
+            self._stopped_at = time.monotonic()
             logger.info("sampler pool stopped: %s", self._summary())
         elif self._state == "new":
             self._state = "stopped"
@@ -434,10 +436,12 @@ class SamplerPool:
 
     def stats(self) -> SamplerStats:
         """The pool's figures now (cheap: shared counters, no I/O)."""
-        elapsed = time.monotonic() - self._started_at if self._started_at is not None else 0.0
+        # A stopped pool's figures are final: its clock stops with it, and it writes nothing more.
+        end = self._stopped_at if self._stopped_at is not None else time.monotonic()
+        elapsed = end - self._started_at if self._started_at is not None else 0.0
         written = self._total(_BYTES)
         rate = 0.0
-        if len(self._rate) >= 2:
+        if len(self._rate) >= 2 and self._stopped_at is None:
             (t0, b0), (t1, b1) = self._rate[0], self._rate[-1]
             rate = (b1 - b0) / (t1 - t0) / 1e6 if t1 > t0 else 0.0
         with self._lock:

@@ -184,7 +184,9 @@ class _StoreSource(Source):
     def _url(self, path: str) -> str:
         """The URL of a store path, for messages (credentials removed)."""
         self.fs  # noqa: B018 - sets _protocol
-        return self._redact(f"{self._protocol}://{path}" if self._protocol not in ("file", "local") else path)
+        # Paths of some filesystems (http) are whole URLs already.
+        bare = self._protocol in ("file", "local") or "://" in path
+        return self._redact(path if bare else f"{self._protocol}://{path}")
 
     def _io(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
         """Run one store call with retries; turn store errors into growcache errors."""

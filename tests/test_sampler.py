@@ -81,6 +81,8 @@ def test_pool_writes_reproducible_distinct_streams_and_stops_clean(cache):
         pids = pool.pids
         assert stats.records >= 120 and stats.workers == 2 and not stats.failed
     final = pool.stop()  # idempotent: a second stop returns the same final figures
+    time.sleep(0.2)
+    assert pool.stats() == final and final.mb_per_s == 0, "a stopped pool's figures are final"
     assert all(gone(pid) for pid in pids) and temporaries(cache) == []
     shards = cache.list_shards()
     assert final.records == sum(s.records for s in shards) and final.shards == len(shards)
