@@ -17,7 +17,7 @@ are never touched.
 Worker exit reasons, and what the pool does:
 
 * a :class:`~growcache.TransientSourceError` (the store kept failing after its retries)
-  or a death without a report: restart, up to ``max_restarts`` times per worker;
+  or a death without a report: restart, up to ``max_restarts`` times per worker in 10 minutes;
 * any other exception (a bug in a sample function, a schema mismatch, a permanent
   :class:`~growcache.SourceError`): the pool fails at once, since a restart would fail
   the same way.
@@ -63,6 +63,7 @@ _NSLOTS = 7
 _POLL_S = 0.05
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
+_RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 
 
 def worker_rng(seed: int, worker: int, restart: int, run: int = 0) -> np.random.Generator:
@@ -149,7 +150,9 @@ class SamplerPool:
             the pools started on it, and the count is part of every stream's seed: a pool
             resumed on a cache that already holds samples draws new ones instead of replaying
             them, and a fresh cache with the same seed gets the same records. Default: ``0``.
-        max_restarts: restarts allowed per worker before the pool fails. Default: ``3``.
+        max_restarts: restarts allowed per worker within 10 minutes before the pool fails;
+            older restarts no longer count, so a long-running pool survives outages that
+            are far apart. Default: ``3``.
 
     Raises:
         CacheFullError: ``shard_size`` is larger than the cache's capacity.
@@ -221,6 +224,7 @@ class SamplerPool:
         self._stop_event: Any = None
         self._procs: list[Any] = [None] * workers
         self._restarts = [0] * workers
+        self._restart_times: list[collections.deque[float]] = [collections.deque() for _ in range(workers)]
         self._pids: set[int] = set()
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
@@ -366,9 +370,13 @@ class SamplerPool:
             why = (report["summary"] if report is not None
                    else f"worker {index} (pid {proc.pid}) died with {_exit_reason(proc.exitcode)}")
             self._last_error = why
-            if self._restarts[index] >= self.max_restarts:
+            recent = self._restart_times[index]
+            while recent and time.monotonic() - recent[0] > _RESTART_WINDOW_S:
+                recent.popleft()  # a pool that runs for days must survive an outage a day
+            if len(recent) >= self.max_restarts:
                 self._fail(index, {"summary": (
-                    f"{why}; it was restarted {self._restarts[index]} times (max_restarts={self.max_restarts}), "
+                    f"{why}; it was restarted {len(recent)} times in the last {_RESTART_WINDOW_S:.0f} s "
+                    f"(max_restarts={self.max_restarts}), "
                     "so the pool gives up. If workers die at start, check that the source is importable in a new "
                     "process (module-level code, not a notebook's __main__); if they are killed, check memory."
                 ), "traceback": report["traceback"] if report else "",
@@ -377,8 +385,10 @@ class SamplerPool:
             with self._lock:
                 if self._state != "running" or self._stop_event.is_set():
                     continue
-                self._restarts[index] += 1
-                logger.warning("%s; restarting it (restart %d of %d)", why, self._restarts[index], self.max_restarts)
+                self._restarts[index] += 1  # never reused: each restart's random stream is new
+                recent.append(time.monotonic())
+                logger.warning("%s; restarting it (restart %d of %d within %.0f s)", why, len(recent),
+                               self.max_restarts, _RESTART_WINDOW_S)
                 self._spawn(index)
 
     def _drain_events(self) -> None:

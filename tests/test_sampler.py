@@ -255,6 +255,25 @@ def test_a_dead_workers_pid_reused_by_another_writer_keeps_that_writers_shard(ca
     assert len(cache.list_shards()) == 1
 
 
+def test_restarts_far_apart_do_not_use_up_the_restart_allowance(cache, monkeypatch):
+    # A pool that runs for days meets an outage now and then; only restarts close together
+    # mean a worker that cannot run.
+    import growcache.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_RESTART_WINDOW_S", 0.5)
+    pool = SamplerPool(cache, slow_sample, workers=1, max_restarts=1).start()
+    try:
+        for kills in (1, 2, 3):
+            _wait(lambda: len(pool.pids) == 1)
+            victim = pool.pids[0]
+            os.kill(victim, signal.SIGKILL)
+            _wait(lambda: pool.stats().restarts == kills and pool.pids and pool.pids[0] != victim)
+            time.sleep(0.6)  # past the window: the next death is a fresh outage
+        assert not pool.stats().failed
+    finally:
+        pool.stop()
+
+
 def test_construction_errors(tmp_path, cache):
     with pytest.raises(CacheFullError, match="larger than the capacity"):
         SamplerPool(cache, stream_sample, shard_size="1GB")
