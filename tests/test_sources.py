@@ -378,3 +378,9 @@ def test_window_reads_every_npy_format_version(file_store, version):
         assert window.shape == (4, 3)
         start = int(window[0, 0]) // 3
         np.testing.assert_array_equal(window, array[start:start + 4])
+
+
+def test_an_http_store_url_is_named_once_and_without_its_password():
+    # fsspec's http paths are whole URLs already: messages must not prefix the protocol again.
+    source = NpyWindowSource("http://user:pw12345@127.0.0.1:9/x.npy", 1)
+    assert source._url("http://user:pw12345@127.0.0.1:9/x.npy") == "http://***@127.0.0.1:9/x.npy"
