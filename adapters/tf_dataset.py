@@ -161,12 +161,15 @@ def make_tf_dataset(
     read = tf.data.TFRecordDataset
     cycle = cycle_length or _default_cycle()
 
-    def read_epoch(token, paths, top_up, take, extra, shuffle_seed):
+    def shard_files(paths):
         files = tf.data.Dataset.from_tensor_slices(paths)
         if source.verify:
             # One Python call per shard (never per record): verify, then hand the path on.
             files = files.map(source.verified_path_op).filter(lambda path: tf.strings.length(path) > 0)
-        records = files.interleave(
+        return files
+
+    def read_epoch(token, paths, top_up, quota, shuffle_seed):
+        records = shard_files(paths).interleave(
             lambda path: read(path, buffer_size=read_buffer),
             cycle_length=cycle,
             block_length=block_length,
@@ -179,11 +182,8 @@ def make_tf_dataset(
             # so a pipeline that skips a corrupt shard tops up too, from verified shards.
             # One pipeline always reads everything, and skips these stages (each costs a
             # call per record).
-            top_up_files = tf.data.Dataset.from_tensor_slices(top_up)
-            if source.verify:
-                top_up_files = top_up_files.map(source.verified_path_op).filter(lambda p: tf.strings.length(p) > 0)
-            top_up_records = top_up_files.map(lambda p: read(p, buffer_size=read_buffer)).flat_map(lambda d: d)
-            records = records.concatenate(top_up_records.repeat()).take(take + extra)
+            top_up_records = shard_files(top_up).flat_map(lambda path: read(path, buffer_size=read_buffer))
+            records = records.concatenate(top_up_records.repeat()).take(quota)
         if shuffle_buffer:
             records = records.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
         # Batched here, so the stages after flat_map cost a call per batch, not per record.
@@ -302,11 +302,11 @@ class _EpochSource:
     # -- in-graph hooks ---------------------------------------------------------------------
     def start_epoch_op(self, _unused: tf.Tensor) -> tuple[tf.Tensor, ...]:
         """The ``map`` function that starts an epoch: a token and this pipeline's plan."""
-        token, paths, top_up, take, extra, shuffle_seed = tf.numpy_function(
-            self.start_epoch, [], [tf.int64, tf.string, tf.string, tf.int64, tf.int64, tf.int64], stateful=True
+        token, paths, top_up, quota, shuffle_seed = tf.numpy_function(
+            self.start_epoch, [], [tf.int64, tf.string, tf.string, tf.int64, tf.int64], stateful=True
         )
         return (tf.reshape(token, []), tf.reshape(paths, [-1]), tf.reshape(top_up, [-1]),
-                tf.reshape(take, []), tf.reshape(extra, []), tf.reshape(shuffle_seed, []))
+                tf.reshape(quota, []), tf.reshape(shuffle_seed, []))
 
     def end_of_epoch(self, token: tf.Tensor) -> tf.data.Dataset:
         """An empty dataset of batches whose first pull ends epoch ``token``'s lease."""
@@ -337,7 +337,6 @@ class _EpochSource:
             reader = plan.reader(self.pipeline, 0)
             shards = plan.shards[reader]
             paths = np.array([os.fsencode(snapshot.shards[i].path) for i in shards], dtype=bytes)
-            total = sum(snapshot.shards[i].records for i in shards)
             quota = int(plan.quotas[reader])
             top_up = np.array([os.fsencode(snapshot.shards[i].path) for i in plan.cycle[reader]], dtype=bytes)
             logger.debug(
@@ -367,8 +366,7 @@ class _EpochSource:
             np.int64(token),
             paths,
             top_up,  # read only once this pipeline's own verified records fall short of its quota
-            np.int64(min(quota, total)),
-            np.int64(max(quota - total, 0)),
+            np.int64(quota),
             np.int64(record_seed),
         )
 
@@ -428,6 +426,7 @@ class _EpochSource:
 
 
 _TOKENS = itertools.count(1)
+_MAX_OPEN_EPOCHS = 4
 _CONSTRUCTED: dict[tuple, int] = {}
 _CONSTRUCTED_LOCK = threading.Lock()
 
@@ -438,7 +437,6 @@ def _construction_ordinal(key: tuple, pipeline: int) -> int:
         ordinal = _CONSTRUCTED.get((key, pipeline), 0)
         _CONSTRUCTED[(key, pipeline)] = ordinal + 1
         return ordinal
-_MAX_OPEN_EPOCHS = 4
 
 
 class _IteratorTrackingDataset(dataset_ops.UnaryUnchangedStructureDataset):
@@ -531,8 +529,6 @@ class _SharedSnapshots:
         with self._lock:
             entry.snapshot = snapshot
             self._taken.notify_all()
-            if self._entries.get(group, (None, None))[1] is not entry:  # a later epoch took over meanwhile
-                entry.listed = False
             return self._claimed(group, entry, expected)
 
     def _claimed(self, group: tuple, entry: _Entry, expected: int) -> _Entry:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import stat
 import time
@@ -15,7 +14,6 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import _proc
 from ._size import parse_size
 from .errors import CacheFullError, CorruptShardError, SchemaError, SchemaMismatchError
 from .eviction import EvictionPolicy, choose_evictions_fifo
@@ -25,13 +23,11 @@ from .records import iter_records
 from .schema import Schema
 from .shard import TMP_PREFIX, ShardInfo
 from .snapshot import Snapshot
-from .writer import ShardWriter, raise_if_disk_full, temp_owner, temp_shard_name
+from .writer import ShardWriter, raise_if_disk_full, remove_abandoned_temporaries, temp_shard_name
 
 __all__ = ["Cache", "CacheStats", "VerifyReport"]
 
 logger = logging.getLogger(__name__)
-
-_METADATA_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # atomic_write_bytes' temporary names
 
 DEFAULT_CAPACITY = "500GB"
 _WAIT_MIN, _WAIT_MAX = 0.02, 0.5
@@ -202,9 +198,7 @@ class Cache:
         # previous epoch held its lease are trimmed to the budget first, so a snapshot
         # never holds more than the capacity (unless other live snapshots pin more).
         with self._locked():
-            victims = self._choose_victims(incoming=0)
-            if victims:
-                self._delete(victims)
+            self._trim_to_budget()
             shards = self.list_shards()
             # Shards the budget would evict but for another snapshot's lease stay out of this
             # one. Readers whose epochs overlap (two frameworks, DDP ranks) would otherwise
@@ -228,7 +222,7 @@ class Cache:
         """
         try:
             with self._locked():
-                self._delete(self._choose_victims(incoming=0) or [])
+                self._trim_to_budget()
         except OSError as exc:  # ending an epoch must not fail on a full disk or a lock problem
             logger.warning("could not trim cache %s to its budget after a snapshot closed (%s); "
                            "the next publish or snapshot will", self.path, exc)
@@ -329,14 +323,15 @@ class Cache:
         warned = False
         while True:
             with self._locked():
-                victims = self._choose_victims(incoming=nbytes)
+                shards = self.list_shards()
+                victims = self._choose_victims(incoming=nbytes, shards=shards)
                 if victims is not None:
                     try:
                         self._delete(victims)
                         state = self._manifest.read_state()
                         # Never behind the listing: with a lost or restored state file, a stale
                         # counter would make os.replace overwrite a published, maybe leased, shard.
-                        newest = max((s.seq for s in self.list_shards()), default=0)
+                        newest = max((s.seq for s in shards), default=0)
                         seq = max(state["next_seq"], newest + 1)
                         info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
                                          records, nbytes)
@@ -402,8 +397,9 @@ class Cache:
         self._delete(victims)
         return victims
 
-    def _choose_victims(self, incoming: int) -> list[ShardInfo] | None:
-        """Shards to delete so ``incoming`` bytes fit. Assumes you hold the lock.
+    def _choose_victims(self, incoming: int, shards: list[ShardInfo] | None = None) -> list[ShardInfo] | None:
+        """Shards to delete so ``incoming`` bytes fit, out of ``shards`` (default: a fresh
+        listing). Assumes you hold the lock.
 
         The budget applies to unleased shards: leased ones may push the directory over the
         capacity by their own size until their epoch ends. This keeps writers from stalling
@@ -411,10 +407,14 @@ class Cache:
         epoch start), and bounds the disk at capacity + leased bytes.
         """
         self._refresh_capacity()
-        shards = self.list_shards()
+        shards = self.list_shards() if shards is None else shards
         leased = self._leased_seqs()
         leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
         return self.eviction_policy(shards, leased, self.capacity + leased_bytes, incoming, time.time())
+
+    def _trim_to_budget(self) -> None:
+        """Delete what the budget lets go now, with nothing incoming. Assumes you hold the lock."""
+        self._delete(self._choose_victims(incoming=0) or [])
 
     def _next_sampler_run(self) -> int:
         """Count one more sampler pool started on this cache; return how many started before."""
@@ -462,19 +462,10 @@ class Cache:
 
     def _remove_stale(self) -> int:
         """Delete temporaries whose writer process is gone. Assumes you hold the lock."""
-        removed = 0
-        for name in _listdir(self.shards_dir):
-            owner = temp_owner(name)
-            if owner is not None and not _proc.is_alive(*owner):
-                removed += _unlink_quiet(os.path.join(self.shards_dir, name))
+        removed = len(remove_abandoned_temporaries(self.shards_dir))
         if removed:
             logger.info("removed %d abandoned temporary shards from %s", removed, self.path)
-        # Metadata, state and leases are only ever written under the lock, which we hold: a
-        # temporary of theirs is what a process killed mid-write left behind.
-        for directory in (self.path, self._manifest.leases_dir):
-            for name in _listdir(directory):
-                if _METADATA_TEMP.search(name):
-                    _unlink_quiet(os.path.join(directory, name))
+        self._manifest.remove_write_temporaries()
         self._manifest.live_leases(remove_dead=True)
         return removed
 

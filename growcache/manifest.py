@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -43,6 +44,9 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_WRITE_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # the temporaries atomic_write_bytes names
 
 
 def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600) -> None:
@@ -83,6 +87,16 @@ class Manifest:
         self.lock_path = os.path.join(root, LOCK_FILE)
         self.shards_dir = os.path.join(root, SHARDS_DIR)
         self.leases_dir = os.path.join(root, LEASES_DIR)
+
+    def remove_write_temporaries(self) -> None:
+        """Delete temporaries of metadata, state and lease writes that a killed process left.
+
+        Assumes you hold the lock: every such write happens under it, so none is in progress.
+        """
+        for directory in (self.root, self.leases_dir):
+            for name in _listdir(directory):
+                if _WRITE_TEMP.search(name):
+                    _unlink_quiet(os.path.join(directory, name))
 
     # -- metadata ---------------------------------------------------------------------------
     def read_metadata(self) -> dict[str, Any] | None:

@@ -43,15 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _proc
 from ._size import format_size, parse_size
 from .cache import Cache
 from .errors import CacheFullError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES
-from .shard import TMP_PREFIX
 from .sources import Source, as_source
-from .writer import temp_owner
+from .writer import remove_abandoned_temporaries
 
 __all__ = ["SamplerPool", "SamplerStats", "run_sample_command", "worker_rng"]
 
@@ -423,20 +421,8 @@ class SamplerPool:
 
     def _remove_temporaries(self) -> None:
         """Delete temporary shards of this pool's dead workers (a SIGKILL leaves one)."""
-        try:
-            names = os.listdir(self.cache.shards_dir)
-        except FileNotFoundError:
-            return
-        for name in names:
-            owner = temp_owner(name) if name.startswith(TMP_PREFIX) else None
-            # The start time in the name, not the pid alone: a dead worker's pid may already
-            # belong to another writer of this cache, whose shard must not be touched.
-            if owner is not None and owner[0] in self._pids and not _proc.is_alive(*owner):
-                try:
-                    os.unlink(os.path.join(self.cache.shards_dir, name))
-                    logger.info("removed %s, left by a dead sampler", name)
-                except FileNotFoundError:
-                    pass
+        for name in remove_abandoned_temporaries(self.cache.shards_dir, owners=self._pids):
+            logger.info("removed %s, left by a dead sampler", name)
 
     # -- figures --------------------------------------------------------------------------------
     def _total(self, slot: int) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _proc
 from .errors import CacheFullError, SchemaError
 from .example import ExampleCodec
-from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header
+from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header, frame_pieces
 from .shard import SHARD_SUFFIX, TMP_PREFIX, ShardInfo
 
 if TYPE_CHECKING:
@@ -49,6 +49,34 @@ def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
         return int(parts[0]), int(parts[1]) or None, parts[2] if len(parts) >= 4 else None
     except (IndexError, ValueError):
         return None
+
+
+def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None = None) -> list[str]:
+    """Delete the temporary shards whose writer is gone; return their names.
+
+    A writer is judged by the pid, start time and machine its temporary's name carries,
+    so a recycled pid never costs a live writer its shard.
+
+    Args:
+        shards_dir: the cache's shard directory.
+        owners: only temporaries written by these pids (a pool cleaning up after its own
+            workers). Default: ``None``, any writer's.
+    """
+    try:
+        names = os.listdir(shards_dir)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        owner = temp_owner(name)
+        if owner is None or (owners is not None and owner[0] not in owners) or _proc.is_alive(*owner):
+            continue
+        try:
+            os.unlink(os.path.join(shards_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 class ShardWriter:
@@ -149,9 +177,7 @@ class ShardWriter:
 
     def write_serialized(self, record: Any) -> None:
         """Append one already serialized record (it must follow the schema); the buffer may be reused after."""
-        length = memoryview(record).nbytes
-        self._append_frame([frame_header(length), record, frame_footer(crc32c(record))],
-                           length + HEADER_BYTES + FOOTER_BYTES)
+        self._append_frame(*frame_pieces([record]))
 
     def _append_frame(self, pieces: list[Any], frame: int) -> None:
         if self._fd is None:
