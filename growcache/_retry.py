@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Redactor", "RetryPolicy", "is_transient", "describe_error"]
+__all__ = ["Redactor", "RetryPolicy", "describe_error", "is_stall", "is_transient"]
 
 logger = logging.getLogger("growcache.sources")
 
@@ -46,32 +46,53 @@ _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotAD
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how patiently to retry transient store errors.
+    """How often, how long and how patiently to retry transient store errors.
 
     The delay before retry ``n`` (0-based) is drawn uniformly from ``[d/2, d]`` with
     ``d = min(max_delay, initial_delay * multiplier**n)``: exponential backoff with jitter,
     so many workers hitting a throttled store do not retry in lockstep.
+
+    Two bounds keep a failing or silent store from stalling a sampler for long:
+
+    * ``deadline`` bounds a failing call: no retry starts once it would begin later than
+      ``deadline`` seconds after the first try. The store client's own retries (botocore's,
+      s3fs's) are turned off, so they do not multiply with these.
+    * ``stall_timeout`` bounds a read that gets no bytes: a connection that is not
+      accepted, or a response that sends nothing, for this many seconds fails as a
+      transient error (and is retried under the deadline). It is set as the socket
+      connect and read timeout of the s3://, gs:// and http(s):// clients, unless
+      ``storage_options`` set their own.
 
     Args:
         attempts: tries in all, the first included. Default: ``6``.
         initial_delay: seconds before the first retry. Default: ``0.2``.
         max_delay: cap of one delay, in seconds. Default: ``10.0``.
         multiplier: growth of the delay per retry. Default: ``2.0``.
+        deadline: seconds after the first try after which no retry starts; ``None`` for
+            attempts only. Default: ``30.0``.
+        stall_timeout: seconds without a byte after which a connect or read fails.
+            Default: ``30.0``.
     """
 
     attempts: int = 6
     initial_delay: float = 0.2
     max_delay: float = 10.0
     multiplier: float = 2.0
+    deadline: float | None = 30.0
+    stall_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int of at least 1, got {self.attempts!r}")
         if self.initial_delay < 0 or self.max_delay < 0 or self.multiplier < 1:
             raise ValueError("RetryPolicy delays must be >= 0 and multiplier >= 1")
+        if self.deadline is not None and not self.deadline > 0:
+            raise ValueError(f"RetryPolicy.deadline must be positive seconds or None, got {self.deadline!r}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"RetryPolicy.stall_timeout must be positive seconds, got {self.stall_timeout!r}")
 
     def delays(self, jitter: random.Random | None = None) -> Iterator[float]:
-        """The ``attempts - 1`` sleeps between tries."""
+        """The ``attempts - 1`` sleeps between tries (the deadline is applied by :meth:`call`)."""
         jitter = jitter or random.Random()
         for n in range(self.attempts - 1):
             ceiling = min(self.max_delay, self.initial_delay * self.multiplier**n)
@@ -80,10 +101,12 @@ class RetryPolicy:
     def call(self, fn: Callable[[], T], *, on_retry: Callable[[BaseException, int, float], None] | None = None) -> T:
         """Call ``fn`` until it succeeds, retrying transient errors; re-raise the last error.
 
-        Permanent errors are raised at once. ``on_retry(error, attempt, delay)`` runs
-        before each sleep.
+        Permanent errors are raised at once. A transient error is raised when the attempts
+        are used up, or when the next try would start past the deadline.
+        ``on_retry(error, attempt, delay)`` runs before each sleep.
         """
         delays = self.delays()
+        start = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
@@ -94,6 +117,8 @@ class RetryPolicy:
                     raise
                 delay = next(delays, None)
                 if delay is None:
+                    raise
+                if self.deadline is not None and time.monotonic() - start + delay > self.deadline:
                     raise
                 if on_retry is not None:
                     on_retry(exc, attempt, delay)
@@ -146,6 +171,18 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(error, (ConnectionError, TimeoutError)):
             return True
         if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+_TIMEOUT_NAMES = frozenset({"ReadTimeoutError", "ConnectTimeoutError", "ServerTimeoutError", "FSTimeoutError",
+                            "ConnectionTimeoutError", "SocketTimeoutError"})
+
+
+def is_stall(exc: BaseException) -> bool:
+    """True if ``exc`` (or an error it was raised from) is a connect or read timeout."""
+    for error in _chain(exc):
+        if isinstance(error, TimeoutError) or {cls.__name__ for cls in type(error).__mro__} & _TIMEOUT_NAMES:
             return True
     return False
 

@@ -25,13 +25,14 @@ import io
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._retry import Redactor, RetryPolicy, describe_error, is_transient
+from ._retry import Redactor, RetryPolicy, describe_error, is_stall, is_transient
 from .errors import GrowcacheError, MissingExtraError, SchemaError, SourceError, TransientSourceError
 
 __all__ = [
@@ -160,14 +161,20 @@ class _StoreSource(Source):
     # -- filesystem ------------------------------------------------------------------------
     @property
     def fs(self) -> Any:
-        """This process's fsspec filesystem for the source's URL (created on first use)."""
+        """This process's fsspec filesystem for the source's URL (created on first use).
+
+        It is this source's own instance (not fsspec's shared cache), with the store
+        client's timeouts and retries set from :attr:`retry` where ``storage_options``
+        leave them unset.
+        """
         if self._fs is None or self._fs_pid != os.getpid():
             import fsspec.core
 
+            protocol = self.urls[0].split("://", 1)[0].lower() if "://" in self.urls[0] else "file"
             try:
-                fs, _ = fsspec.core.url_to_fs(self.urls[0], **self._storage_options)
+                options = _client_options(protocol, self._storage_options, self.retry)
+                fs, _ = fsspec.core.url_to_fs(self.urls[0], skip_instance_cache=True, **options)
             except ImportError as exc:
-                protocol = self.urls[0].split("://", 1)[0] if "://" in self.urls[0] else "file"
                 extra = _EXTRAS.get(protocol)
                 hint = f"pip install 'growcache[{extra}]'" if extra else f"install the fsspec backend of {protocol}://"
                 raise MissingExtraError(self._redact(f"reading {self.urls[0]} needs a package: {exc}. {hint}")) from exc
@@ -176,6 +183,8 @@ class _StoreSource(Source):
                     f"cannot open {self.urls[0]} with storage_options "
                     f"{self._redact.options_repr(self._storage_options)}: {exc}"
                 )) from exc
+            if protocol in _S3 and isinstance(getattr(fs, "retries", None), int):
+                fs.retries = 1  # s3fs retries each request 5 times on its own; RetryPolicy alone retries
             self._fs, self._fs_pid = fs, os.getpid()
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
             self._protocol = protocol
@@ -190,11 +199,16 @@ class _StoreSource(Source):
 
     def _io(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
         """Run one store call with retries; turn store errors into growcache errors."""
+        attempts = 1
+        start = time.monotonic()
 
         def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
+            nonlocal attempts
+            attempts = attempt + 1
             self.retries += 1
-            logger.info("%s %s failed (attempt %d of %d): %s; retrying in %.2f s", what, url, attempt,
-                        self.retry.attempts, self._redact(describe_error(exc)), delay)
+            # DEBUG: a store that recovers needs no line per retry; one that does not gets one error.
+            logger.debug("%s %s failed (attempt %d of %d): %s; retrying in %.2f s", what, url, attempt,
+                         self.retry.attempts, self._redact(describe_error(exc)), delay)
 
         try:
             return self.retry.call(fn, on_retry=on_retry)
@@ -203,10 +217,13 @@ class _StoreSource(Source):
         except Exception as exc:
             detail = self._redact(describe_error(exc))
             if is_transient(exc):
+                stalled = (f" The store sent no bytes for {self.retry.stall_timeout:g} s (stall_timeout)."
+                           if is_stall(exc) else "")
                 raise TransientSourceError(
-                    f"{what} {url} kept failing after {self.retry.attempts} attempts: {detail}. The store is "
-                    "unreachable, throttling or failing: check the endpoint and network, or allow more "
-                    "retries with retry=RetryPolicy(attempts=...)."
+                    f"{what} {url} kept failing after {attempts} attempts in {time.monotonic() - start:.1f} s: "
+                    f"{detail}.{stalled} The store is unreachable, silent, throttling or failing: check the "
+                    "endpoint and network, or allow more time with retry=RetryPolicy(attempts=..., deadline=...) "
+                    "(growcache sample: --retries, --retry-deadline)."
                 ) from exc
             raise SourceError(f"{what} {url} failed: {detail}. {_hint(exc)}") from exc
 
@@ -253,6 +270,38 @@ class _StoreSource(Source):
 
     def check(self) -> None:
         self.paths()
+
+
+_S3 = frozenset({"s3", "s3a"})
+
+
+def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
+    """``storage_options`` with the store client's timeouts and retries taken from ``retry``.
+
+    Explicit options always win: a key the user set is never overridden. Only the
+    clients growcache knows are configured: botocore (s3), aiohttp (gs, http, https).
+    """
+    options = dict(storage_options)
+    stall = retry.stall_timeout
+    if protocol in _S3:
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", stall)
+        config.setdefault("read_timeout", stall)
+        # botocore retries a refused connection 4 times with backoff on its own.
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+    elif protocol in ("gs", "gcs", "http", "https"):
+        import aiohttp
+
+        # No total: a large object may take long; what must not happen is silence.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=stall, sock_read=stall)
+        if protocol in ("gs", "gcs"):
+            options.setdefault("requests_timeout", timeout)
+        else:
+            client = dict(options.get("client_kwargs") or {})
+            client.setdefault("timeout", timeout)
+            options["client_kwargs"] = client
+    return options
 
 
 def _hint(exc: BaseException) -> str:

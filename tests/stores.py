@@ -25,6 +25,7 @@ import pytest
 __all__ = [
     "CountingProxy",
     "S3Server",
+    "SilentServer",
     "Store",
     "free_port",
     "gcs",
@@ -264,3 +265,42 @@ class CountingProxy:
                 except OSError:
                     pass
                 sock.close()
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never sends a byte.
+
+    A store behind a wedged load balancer looks like this to a client: the connect
+    succeeds, the request goes out, and no response ever comes. ``connections`` counts
+    the connections accepted.
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.connections = 0
+        self._clients: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._clients.append(client)  # held open, never answered
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for client in self._clients:
+            client.close()
+
+    def __enter__(self) -> "SilentServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

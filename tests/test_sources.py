@@ -12,7 +12,18 @@ import traceback
 
 import numpy as np
 import pytest
-from stores import CountingProxy, S3Server, Store, free_port, gcs, gcs_server, memory_store, s3, s3_server  # noqa: F401
+from stores import (  # noqa: F401
+    CountingProxy,
+    S3Server,
+    SilentServer,
+    Store,
+    free_port,
+    gcs,
+    gcs_server,
+    memory_store,
+    s3,
+    s3_server,
+)
 
 from growcache.errors import SchemaError, SourceError, TransientSourceError
 from growcache.sources import (
@@ -254,6 +265,67 @@ def test_connection_refused_retries_then_transient_error_without_secrets(s3_serv
     for text in (message, repr(source), source.redact(exported), caplog.text):
         assert PLANTED not in text
     assert "***" in repr(source) and "growcache-test-key" not in repr(source)
+
+
+def test_refused_s3_fails_within_the_default_deadline_with_one_error(s3_server, caplog):
+    # No config_kwargs: growcache configures botocore and s3fs itself. Their own retries used
+    # to multiply with growcache's, and a refused endpoint took 43 s to fail.
+    dead = f"http://127.0.0.1:{free_port()}"
+    options = {"key": "k", "secret": PLANTED, "client_kwargs": {"endpoint_url": dead}}
+    source = NpyWindowSource("s3://growcache-test/x.npy", 2, storage_options=options)
+    assert source.retry.deadline is not None and source.retry.deadline <= 30
+    caplog.set_level(logging.INFO, logger="growcache")
+    start = time.monotonic()
+    with pytest.raises(TransientSourceError) as info:
+        source(np.random.default_rng(0))
+    took = time.monotonic() - start
+    assert took < source.retry.deadline, f"a refused endpoint took {took:.1f} s to fail"
+    assert "s3://growcache-test/x.npy" in str(info.value) and "--retry-deadline" in str(info.value)
+    assert source.requests == source.retries + 1 <= source.retry.attempts
+    assert not [r for r in caplog.records if r.name.startswith("growcache")], "one error, no line per retry"
+    assert PLANTED not in str(info.value)
+
+
+def test_deadline_ends_retries_before_the_attempts_run_out(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}/a.npy"
+    policy = RetryPolicy(attempts=1000, initial_delay=0.05, max_delay=0.2, deadline=1.0)
+    source = ObjectSource(dead, retry=policy)
+    start = time.monotonic()
+    with pytest.raises(TransientSourceError, match=r"kept failing after \d+ attempts in"):
+        source(np.random.default_rng(0))
+    assert 2 < source.requests < 1000 and time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="deadline"):
+        RetryPolicy(deadline=0)
+    with pytest.raises(ValueError, match="stall_timeout"):
+        RetryPolicy(stall_timeout=-1)
+
+
+@pytest.mark.parametrize("protocol", ["s3", "http"])
+def test_a_store_that_never_replies_fails_as_transient(protocol, s3_server):
+    policy = RetryPolicy(attempts=3, initial_delay=0.05, max_delay=0.1, stall_timeout=0.5, deadline=5)
+    with SilentServer() as silent:
+        if protocol == "s3":
+            options = {"key": "k", "secret": PLANTED, "client_kwargs": {"endpoint_url": silent.endpoint}}
+            source = NpyWindowSource("s3://growcache-test/x.npy", 2, storage_options=options, retry=policy)
+        else:
+            source = NpyWindowSource(f"{silent.endpoint}/x.npy", 2, retry=policy)
+        with pytest.raises(TransientSourceError, match=r"sent no bytes for 0.5 s") as info:
+            source(np.random.default_rng(0))
+        assert silent.connections >= 2, "retried under the policy"
+    assert source.requests == 3 and PLANTED not in str(info.value)
+
+
+def test_explicit_client_options_win_over_the_retry_policy():
+    from growcache.sources import _client_options
+
+    policy = RetryPolicy(stall_timeout=7)
+    mine = {"config_kwargs": {"read_timeout": 99, "retries": {"max_attempts": 3}}, "anon": True}
+    merged = _client_options("s3", mine, policy)
+    assert merged["config_kwargs"] == {"read_timeout": 99, "retries": {"max_attempts": 3}, "connect_timeout": 7}
+    assert mine == {"config_kwargs": {"read_timeout": 99, "retries": {"max_attempts": 3}}, "anon": True}
+    assert _client_options("http", {}, policy)["client_kwargs"]["timeout"].sock_read == 7
+    assert _client_options("gs", {}, policy)["requests_timeout"].sock_connect == 7
+    assert _client_options("file", {"auto_mkdir": True}, policy) == {"auto_mkdir": True}
 
 
 def test_missing_bucket_message_and_logs_hold_no_secret(s3_server, s3, caplog):
