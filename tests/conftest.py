@@ -1,8 +1,15 @@
-"""Shared fixtures: small caches whose every record can be recomputed from its id."""
+"""Shared fixtures: small caches whose every record can be recomputed from its id.
+
+Also the suite's rule on skips: a component the suite needs is never skipped silently.
+A missing torch, ``tfrecord`` or ``[test]``-extra package fails the tests that need it, with
+a message naming what to install; under ``CI=true`` so does a missing TensorFlow, and
+``_fullfs`` fails a full-disk test that gets no size-limited filesystem.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -10,7 +17,84 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import _fullfs  # noqa: E402
 from growcache import Cache, Schema  # noqa: E402
+
+_TEST_EXTRA = "pip install -e '.[test]' (the [test] extra)"
+_CPU_TORCH = ("pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU wheel, as `make test` "
+              "installs it; the [test] extra leaves torch out so that it never pulls a CUDA build)")
+_TENSORFLOW = "pip install tensorflow-cpu (as `make test` does), or pip install -e '.[tf]'"
+
+#: Top-level module -> what installs it, for modules the suite needs everywhere.
+REQUIRED = {
+    "torch": _CPU_TORCH,
+    **{name: _TEST_EXTRA for name in ("tfrecord", "moto", "s3fs", "gcsfs", "gcp_storage_emulator", "hypothesis",
+                                      "psutil", "matplotlib", "webdataset", "pytest_timeout")},
+}
+#: Modules whose absence may skip outside CI, but fails the run under ``CI=true``.
+REQUIRED_IN_CI = {"tensorflow": _TENSORFLOW, "keras": _TENSORFLOW}
+
+_IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")
+
+
+def _required_install(reason: str) -> str | None:
+    """What to install, if ``reason`` is an ``importorskip`` of a module the suite needs here."""
+    match = _IMPORT_SKIP.search(reason)
+    if match is None:
+        return None
+    top = match.group(1).split(".")[0]
+    return REQUIRED.get(top) or (REQUIRED_IN_CI.get(top) if _fullfs.in_ci() else None)
+
+
+def _missing_message(reason: str, install: str) -> str:
+    return f"a component the test suite requires is missing ({reason.removeprefix('Skipped: ')}); install it: {install}"
+
+
+class _MissingComponent(pytest.Item):
+    """Stands in for a test module that skipped itself for a missing required module, and fails."""
+
+    def __init__(self, *, message: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.message = message
+
+    def runtest(self) -> None:
+        pytest.fail(self.message, pytrace=False)
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    # A module-level importorskip skips the whole module at collection: turn it into one failing
+    # test (a collection error would abort the whole run instead).
+    if report.skipped and isinstance(report.longrepr, tuple):
+        install = _required_install(report.longrepr[2])
+        if install is not None:
+            item = _MissingComponent.from_parent(collector, name="required-component-missing",
+                                                 message=_missing_message(report.longrepr[2], install))
+            report = pytest.CollectReport(report.nodeid, "passed", None, [item])
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
+        install = _required_install(report.longrepr[2])
+        if install is not None:
+            report.outcome = "failed"
+            report.longrepr = _missing_message(report.longrepr[2], install)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Which real filesystem each full-disk test filled, or that it had none.
+    if _fullfs.USED:
+        terminalreporter.section("size-limited filesystems for full-disk tests")
+        for test, how in _fullfs.USED:
+            terminalreporter.line(f"{test}: {how}")
 
 ID_SCHEMA = Schema({"id": ("int64", ()), "x": ("float32", (4, 8))})
 

@@ -7,8 +7,8 @@ import hashlib
 import os
 
 import pytest
-from sized_fs import fill, size_limited_fs
 
+from _fullfs import fill, size_limited_fs
 from conftest import ID_SCHEMA, id_sample, write_shards
 from growcache import Cache, CacheFullError
 from growcache.records import iter_records

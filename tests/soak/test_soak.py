@@ -50,7 +50,7 @@ from soak_common import (
     payload,
     rss,
 )
-from sized_fs import fill, size_limited_fs
+from _fullfs import fill, size_limited_fs
 from stores import s3, s3_server  # noqa: F401
 
 from growcache import Cache, CacheFullError, CorruptShardError, SamplerError, Schema
