@@ -222,12 +222,12 @@ def test_open_source_picks_the_kind():
 def test_empty_glob_is_permanent_and_immediate(file_store, s3):
     for store in (file_store, s3):
         source = ObjectSource(f"{store.url}/nothing/*.npy", storage_options=store.storage_options, retry=FAST)
-        start = time.monotonic()
         with pytest.raises(SourceError, match="no objects match") as info:
             source(np.random.default_rng(0))
         assert not isinstance(info.value, TransientSourceError)
         assert f"{store.url}/nothing/*.npy" in str(info.value)
-        assert time.monotonic() - start < 1.0 and source.retries == 0
+        # Immediate means no retry and no object read: counted, not timed.
+        assert source.retries == 0 and source.requests == 0
 
 
 @pytest.mark.parametrize("store_name", ["s3", "gcs"])
@@ -236,13 +236,12 @@ def test_missing_bucket_is_permanent_and_names_the_url(store_name, request):
     scheme = store.url.split("://")[0]
     url = f"{scheme}://no-such-bucket-here/a/big.npy"
     source = NpyWindowSource(url, 2, storage_options=store.storage_options, retry=FAST)
-    start = time.monotonic()
     with pytest.raises(SourceError) as info:
         source(np.random.default_rng(0))
     assert not isinstance(info.value, TransientSourceError)
     assert url in str(info.value) and "Check that the bucket and object exist" in str(info.value)
     assert isinstance(info.value.__cause__, FileNotFoundError)
-    assert time.monotonic() - start < 2.0 and source.retries == 0
+    assert source.retries == 0 and source.requests == 1, "one request, never retried"
 
 
 # -- transient errors ---------------------------------------------------------------------
@@ -290,10 +289,9 @@ def test_deadline_ends_retries_before_the_attempts_run_out(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}/a.npy"
     policy = RetryPolicy(attempts=1000, initial_delay=0.05, max_delay=0.2, deadline=1.0)
     source = ObjectSource(dead, retry=policy)
-    start = time.monotonic()
     with pytest.raises(TransientSourceError, match=r"kept failing after \d+ attempts in"):
         source(np.random.default_rng(0))
-    assert 2 < source.requests < 1000 and time.monotonic() - start < 10
+    assert 2 < source.requests < 1000, "the deadline, not the attempts, ended the retries"
     with pytest.raises(ValueError, match="deadline"):
         RetryPolicy(deadline=0)
     with pytest.raises(ValueError, match="stall_timeout"):
