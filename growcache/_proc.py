@@ -1,11 +1,31 @@
-"""Process identity that survives pid reuse: ``(pid, start time)``, and the machine it runs on."""
+"""Who owns a file in a cache, and whether that owner still lives.
+
+Leases, temporary shards and shared-memory slabs carry their owner's ``(pid, start time)``
+(which survives pid reuse) and a tag of the machine it runs on. On this machine, the
+process table decides. Another machine's process table is out of reach, so an owner there
+proves it lives with a *heartbeat*: every process refreshes the modification time of the
+files it owns every :func:`heartbeat_interval` seconds, and a file of another machine whose
+heartbeat is older than :func:`owner_expiry` belongs to a dead owner. The same rule settles
+a container restarted under a new hostname, whose old files look like another machine's.
+"""
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import logging
 import os
+import signal
 import socket
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+#: Seconds without a heartbeat after which another machine's lease or temporary is dead.
+DEFAULT_OWNER_EXPIRY_S = 60.0
+_EXPIRY_ENV = "GROWCACHE_OWNER_EXPIRY"
+_NODE_ENV = "GROWCACHE_NODE"
+_FAULT_ENV = "GROWCACHE_FAULT"
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -30,21 +50,58 @@ def this_process() -> tuple[int, int | None]:
     return pid, process_start_time(pid)
 
 
-@functools.lru_cache(maxsize=1)
+def node_name() -> str:
+    """This machine's name: ``$GROWCACHE_NODE`` if set, else the hostname.
+
+    Set ``GROWCACHE_NODE`` where the hostname does not name the machine: containers that
+    share one hostname, or get a new one at every restart.
+    """
+    return os.environ.get(_NODE_ENV) or socket.gethostname()
+
+
 def this_host() -> str:
-    """A short tag of this machine (from its hostname), stored with every lease and temporary."""
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    """A short tag of :func:`node_name`, stored with every lease, temporary and slab name."""
+    return hashlib.sha1(node_name().encode()).hexdigest()[:8]
 
 
-def is_alive(pid: int, start_time: int | None, host: str | None = None) -> bool:
-    """True if the process ``pid`` that started at ``start_time`` still runs.
+def owner_expiry() -> float:
+    """Seconds after its last heartbeat that another machine's owner counts as dead.
 
-    A process of another machine (``host`` set and not :func:`this_host`) counts as alive:
-    this machine's process table says nothing about it, and judging it dead would delete
-    what it is using when a cache sits on a filesystem that several machines share.
+    ``$GROWCACHE_OWNER_EXPIRY`` overrides the default of 60 s. Every process using a cache
+    must agree on it, since it also sets the heartbeat interval (:func:`heartbeat_interval`).
+    """
+    text = os.environ.get(_EXPIRY_ENV)
+    if not text:
+        return DEFAULT_OWNER_EXPIRY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        logger.warning("%s=%r is not a positive number of seconds; using %g s", _EXPIRY_ENV, text,
+                       DEFAULT_OWNER_EXPIRY_S)
+        return DEFAULT_OWNER_EXPIRY_S
+    return value
+
+
+def heartbeat_interval() -> float:
+    """Seconds between heartbeats: a sixth of :func:`owner_expiry` (10 s by default), so five
+    heartbeats in a row can be late before a living owner is judged dead."""
+    return owner_expiry() / 6
+
+
+def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbeat: float | None = None) -> bool:
+    """True if the owner ``(pid, start_time)`` on machine ``host`` still runs.
+
+    Args:
+        pid, start_time: the owner process (``start_time`` ``None``: any process with that pid).
+        host: the owner's machine tag; ``None`` (files of old versions) or :func:`this_host`
+            means this machine, where the process table decides.
+        heartbeat: modification time of the owner's file. Another machine's owner lives
+            while it is younger than :func:`owner_expiry`; ``None`` counts it alive.
     """
     if host is not None and host != this_host():
-        return True
+        return heartbeat is None or time.time() - heartbeat <= owner_expiry()
     if not isinstance(pid, int) or pid <= 0:  # 0 and -1 would probe process groups, not a process
         return False
     try:
@@ -59,3 +116,80 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None) -> bool:
     if fields[0] in (b"Z", b"X"):  # exited, waiting to be reaped
         return False
     return start_time is None or int(fields[19]) == start_time
+
+
+# -- heartbeats ---------------------------------------------------------------------------------
+class _Heartbeat:
+    """One daemon thread per process that refreshes the files this process owns."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.paths: set[str] = set()
+        self.lost: set[str] = set()
+        self.thread: threading.Thread | None = None
+        self.wake = threading.Event()
+
+    def add(self, path: str) -> None:
+        with self.lock:
+            self.paths.add(path)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="growcache-heartbeat", daemon=True)
+                self.thread.start()
+
+    def discard(self, path: str) -> None:
+        with self.lock:
+            self.paths.discard(path)
+            self.lost.discard(path)
+
+    def _run(self) -> None:
+        while not self.wake.wait(heartbeat_interval()):
+            with self.lock:
+                paths = list(self.paths)
+            for path in paths:
+                try:
+                    os.utime(path)
+                except FileNotFoundError:
+                    with self.lock:
+                        if path not in self.paths or path in self.lost:
+                            continue
+                        self.lost.add(path)
+                    # A process stopped (SIGSTOP, a suspended VM) for longer than the expiry
+                    # lost its lease to another machine's cleanup: say so once.
+                    logger.warning("%s was removed while this process still held it: its heartbeat stopped for "
+                                   "longer than %g s (a stopped or frozen process?), so another machine judged "
+                                   "its owner dead. Shards it leased may be evicted under this epoch.",
+                                   path, owner_expiry())
+                except OSError as exc:
+                    logger.debug("heartbeat of %s failed: %s", path, exc)
+
+    def reset_after_fork(self) -> None:
+        # The child owns none of its parent's files, and inherits no thread.
+        self.lock = threading.Lock()
+        self.paths, self.lost, self.thread = set(), set(), None
+        self.wake = threading.Event()
+
+
+_HEARTBEAT = _Heartbeat()
+os.register_at_fork(after_in_child=_HEARTBEAT.reset_after_fork)
+
+
+def keep_alive(path: str) -> None:
+    """Refresh ``path``'s modification time every :func:`heartbeat_interval` until :func:`let_go`."""
+    _HEARTBEAT.add(path)
+
+
+def let_go(path: str) -> None:
+    """Stop the heartbeat of ``path`` (it was closed, published or removed)."""
+    _HEARTBEAT.discard(path)
+
+
+# -- fault injection ----------------------------------------------------------------------------
+def fault_point(name: str) -> None:
+    """Test hook: SIGKILL this process here if ``$GROWCACHE_FAULT`` equals ``name``.
+
+    growcache's own tests use it to kill a process at an exact step (for example
+    ``publish:state-written``, between the counters' write and the shard's rename, with the
+    cache's lock held). Nothing else sets the variable, and an unset one costs one lookup.
+    """
+    if os.environ.get(_FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -14,15 +14,23 @@ from typing import Any
 
 from filelock import FileLock
 
+from . import _proc
 from ._size import parse_size
-from .errors import CacheFullError, CorruptShardError, SchemaError, SchemaMismatchError
+from .errors import (
+    CacheFullError,
+    CorruptShardError,
+    RefusedFileError,
+    SchemaError,
+    SchemaMismatchError,
+)
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec
-from .manifest import FORMAT_VERSION, Manifest, _listdir, _unlink_quiet, fsync_dir
-from .records import iter_records
+from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
+from .records import check_records, iter_records
 from .schema import Schema
-from .shard import TMP_PREFIX, ShardInfo
+from .shard import ShardInfo, scan_shards
 from .snapshot import Snapshot
+from .transport import remove_dead_segments
 from .writer import ShardWriter, raise_if_disk_full, remove_abandoned_temporaries, temp_shard_name
 
 __all__ = ["Cache", "CacheStats", "VerifyReport"]
@@ -52,6 +60,8 @@ class CacheStats:
     temporaries: int
     oldest_publish_time: float | None
     newest_publish_time: float | None
+    irregular: tuple[str, ...] = ()
+    """Entries of ``shards/`` and ``leases/`` that are not regular files; ignored, to be removed by hand."""
 
     @property
     def budget_use(self) -> float:
@@ -69,6 +79,12 @@ class VerifyReport:
         corrupt: one :class:`CorruptShardError` per bad shard (file, offset, reason).
         foreign: files in the shard directory that growcache did not write.
         removed: corrupt shards deleted (with ``remove_corrupt=True``).
+        kept_leased: corrupt shards not deleted because a live lease holds them (an epoch
+            reading them meets the corruption as its ``on_corrupt`` says); run verify again
+            once it ends.
+        irregular: entries of ``shards/`` and ``leases/`` that are not regular files
+            (directories, symbolic links, devices). Readers and eviction ignore them and
+            growcache never deletes them: remove them by hand.
     """
 
     shards: int = 0
@@ -76,11 +92,13 @@ class VerifyReport:
     corrupt: list[CorruptShardError] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    kept_leased: list[str] = field(default_factory=list)
+    irregular: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when every shard verified."""
-        return not self.corrupt
+        """True when every shard verified and no entry is irregular."""
+        return not self.corrupt and not self.irregular
 
 
 class Cache:
@@ -127,13 +145,12 @@ class Cache:
         self.file_mode = mode & 0o666
         self.eviction_policy = eviction_policy
         self._manifest = Manifest(self.path, self.file_mode)
-        for directory in (self.path, self._manifest.shards_dir, self._manifest.leases_dir):
-            os.makedirs(directory, mode=mode, exist_ok=True)
+        self._manifest.make_layout(mode)
         self._lock: FileLock | None = None
         requested_schema = Schema(schema) if schema is not None else None
         requested_capacity = parse_size(capacity, name="capacity") if capacity is not None else None
         with self._locked():
-            metadata = self._manifest.read_metadata()
+            metadata = self._manifest.read_metadata(replacing=() if requested_capacity is None else ("capacity",))
             if metadata is None:
                 metadata = {"format_version": FORMAT_VERSION, "created": time.time(), "schema": None,
                             "capacity": parse_size(DEFAULT_CAPACITY)}
@@ -175,14 +192,12 @@ class Cache:
 
     # -- listing ----------------------------------------------------------------------------
     def list_shards(self) -> list[ShardInfo]:
-        """The published shards, oldest first. Takes no lock and never lists a temporary."""
-        shards = []
-        for name in _listdir(self.shards_dir):
-            info = ShardInfo.from_path(os.path.join(self.shards_dir, name))
-            if info is not None:
-                shards.append(info)
-        shards.sort()
-        return shards
+        """The published shards, oldest first.
+
+        Takes no lock, never lists a temporary, and lists only regular files: a directory or
+        a symbolic link named like a shard is left out (``verify`` and ``status`` report it).
+        """
+        return scan_shards(self.shards_dir).shards
 
     def snapshot(self, *, holder: str = "") -> Snapshot:
         """The shards that exist now, leased so eviction keeps them until the snapshot closes.
@@ -239,57 +254,47 @@ class Cache:
                 f"cache {self.path} has no schema, so records cannot be written: open it with "
                 "Cache(path, schema=Schema({...}))"
             )
-        return ShardWriter(self, **kwargs)
+        return ShardWriter(self.schema, self.shards_dir, self._publish, max_bytes=self.capacity,
+                           file_mode=self.file_mode, **kwargs)
 
     def add_shard(self, path: str | os.PathLike, *, move: bool = False) -> ShardInfo:
         """Add a TFRecord file written elsewhere (e.g. by ``tf.io.TFRecordWriter``).
 
-        The file is copied (or moved, if on the same filesystem) to a temporary name,
-        every record is checked against the CRCs and the schema, and it is published
-        like any other shard.
+        The file's content is copied to a temporary name in the cache (or the file is moved
+        there, see ``move``), every record is checked against the CRCs and the schema, and it
+        is published like any other shard. A symbolic link is followed for reading only: its
+        target's content is copied, and the target is never moved or changed.
 
         Args:
             path: the TFRecord file; each record a ``tf.train.Example`` with one raw
                 bytes feature per schema feature.
-            move: move instead of copy (the file is removed once it is published; a file that
-                is refused stays where it was). Default: ``False``.
+            move: move the file in rather than copy it, where that is safe (a regular file
+                on the same filesystem with no other hard link, owned by this user); otherwise
+                its content is copied. The path given is removed once the shard is published
+                (for a symbolic link, the link itself); a file that is refused stays where it
+                was. Default: ``False``.
 
         Raises:
             CorruptShardError: a CRC mismatch or truncation (file, offset).
             SchemaError: a record does not follow the cache's schema.
             CacheFullError: the file is larger than the whole capacity.
+            RefusedFileError: ``path`` is not a regular file (a directory, device, FIFO or
+                socket), is a shard of this cache, or is a shard that a live lease of
+                another cache still holds.
         """
         if self.schema is None:
             raise SchemaError(f"cache {self.path} has no schema: open it with Cache(path, schema=...) to add shards")
         source = os.fspath(path)
-        size = os.path.getsize(source)
-        if size > self.capacity:
-            raise CacheFullError(
-                f"{source} has {size} bytes, more than the whole capacity of cache {self.path} ({self.capacity} "
-                "bytes). Raise the capacity, or split the file into smaller shards."
-            )
         tmp = os.path.join(self.shards_dir, temp_shard_name(os.urandom(6).hex()))
-        moved = False
+        moved = self._take_in(source, tmp, move)
         try:
-            if move:
-                try:
-                    os.replace(source, tmp)
-                    moved = True
-                except OSError:  # another filesystem: copy now, remove the source once published
-                    shutil.copyfile(source, tmp)
-            else:
-                shutil.copyfile(source, tmp)
-            os.chmod(tmp, self.file_mode)
-            codec = ExampleCodec(self.schema)
-            records = 0
-            for offset, record in iter_records(tmp, verify=True):
-                try:
-                    codec.payload_views(record)
-                except (SchemaError, ValueError) as exc:
-                    raise SchemaError(f"{source} at byte offset {offset}: {exc}") from exc
-                records += 1
-            if records == 0:
-                raise CorruptShardError(source, 0, "the file holds no records")
+            size = os.path.getsize(tmp)
+            if size > self.capacity:
+                raise CacheFullError(
+                    f"{source} has {size} bytes, more than the whole capacity of cache {self.path} ({self.capacity} "
+                    "bytes). Raise the capacity, or split the file into smaller shards."
+                )
+            records = self._check_added(tmp, source)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             info = self._publish(tmp, records, size)
@@ -300,8 +305,94 @@ class Cache:
             _give_back(tmp, source if moved else None)
             raise
         if move and not moved:
-            _unlink_quiet(source)
+            _unlink_quiet(source)  # a copied file, or a link (never its target)
         return info
+
+    def _take_in(self, source: str, tmp: str, move: bool) -> bool:
+        """Put ``source``'s content at ``tmp`` (our own regular file); return True if it was moved.
+
+        Every check runs on what was really opened or moved, so a file swapped for a link or a
+        device between a check and its use is refused, never followed.
+        """
+        self._refuse_if_leased(source)
+        info = os.lstat(source)
+        if move and stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid():
+            try:
+                os.rename(source, tmp)
+            except OSError:
+                pass  # another filesystem: copy below
+            else:
+                moved = os.lstat(tmp)
+                if stat.S_ISREG(moved.st_mode) and (moved.st_dev, moved.st_ino) == (info.st_dev, info.st_ino):
+                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        os.fchmod(fd, self.file_mode)
+                    finally:
+                        os.close(fd)
+                    return True
+                os.rename(tmp, source)  # it changed under us: give it back untouched, then refuse
+                raise RefusedFileError(f"{source} changed while it was being added; nothing was added. Try again.")
+        # O_NONBLOCK: opening a FIFO must not hang; its type is checked right after.
+        src = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            opened = os.fstat(src)
+            if not stat.S_ISREG(opened.st_mode):
+                raise RefusedFileError(
+                    f"{source} is {_file_kind(opened.st_mode)}, not a regular file: add_shard reads TFRecord files "
+                    "only. Give the path of a regular file."
+                )
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+            try:
+                os.fchmod(dst, self.file_mode)  # exact bits whatever the umask
+                with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
+                    shutil.copyfileobj(fin, fout, 8 << 20)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        return False
+
+    def _refuse_if_leased(self, source: str) -> None:
+        """Refuse a shard of this cache, or a shard of another cache that a live lease holds."""
+        real = os.path.realpath(source)
+        shards_dir = os.path.dirname(real)
+        info = ShardInfo.from_path(real)
+        if info is None or os.path.basename(shards_dir) != SHARDS_DIR:
+            return
+        root = os.path.dirname(shards_dir)
+        if not os.path.exists(os.path.join(root, METADATA_FILE)):
+            return
+        if os.path.realpath(self.shards_dir) == shards_dir:
+            raise RefusedFileError(f"{source} is already a shard of cache {self.path}: adding it again would "
+                                   "duplicate its records. Nothing was added.")
+        holders = [lease for lease in Manifest(root).live_leases() if info.seq in lease.get("seqs", ())]
+        if holders:
+            raise RefusedFileError(
+                f"{source} is a shard of cache {root} that a live lease still holds (holder "
+                f"{holders[0].get('holder', '')!r}): a reader may be reading it now. Wait for its epoch to end, "
+                "or copy the file elsewhere first and add the copy."
+            )
+
+    def _check_added(self, tmp: str, source: str) -> int:
+        """Check an added file's framing, CRCs and schema; return its record count.
+
+        The one place that decides what ``add_shard`` accepts: a check for another kind of
+        file goes here.
+        """
+        codec = ExampleCodec(self.schema)  # type: ignore[arg-type]
+        records = 0
+        for offset, record in iter_records(tmp, verify=True):
+            try:
+                codec.payload_views(record)
+            except (SchemaError, ValueError) as exc:
+                raise SchemaError(f"{source} at byte offset {offset}: {exc}") from exc
+            records += 1
+        if records == 0:
+            raise CorruptShardError(source, 0, "the file holds no records")
+        return records
 
     def _publish(
         self,
@@ -323,36 +414,24 @@ class Cache:
         warned = False
         while True:
             with self._locked():
+                _proc.fault_point("publish:locked")
                 shards = self.list_shards()
                 victims = self._choose_victims(incoming=nbytes, shards=shards)
                 if victims is not None:
                     try:
                         self._delete(victims)
-                        state = self._manifest.read_state()
-                        # Never behind the listing: with a lost or restored state file, a stale
-                        # counter would make os.replace overwrite a published, maybe leased, shard.
-                        newest = max((s.seq for s in shards), default=0)
-                        seq = max(state["next_seq"], newest + 1)
-                        info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
-                                         records, nbytes)
-                        # The counters go first: if they cannot be written (a full disk), nothing is
-                        # published, and a sequence number is never handed out twice (a second shard
-                        # of the same size would replace a published one).
-                        state["next_seq"] = seq + 1
-                        state["published"] += 1
-                        state["published_bytes"] += nbytes
-                        self._manifest.write_state(state)
+                        seq = self._manifest.count_publish(max((s.seq for s in shards), default=0), nbytes)
                     except OSError as exc:
                         raise_if_disk_full(exc, self.path, f"publishing {tmp_path}; nothing was published")
                         raise
+                    info = ShardInfo(seq, os.path.join(self.shards_dir, ShardInfo.file_name(seq, records, nbytes)),
+                                     records, nbytes)
+                    _proc.fault_point("publish:counted")
                     try:
                         os.replace(tmp_path, info.path)
                     except OSError:
-                        # The sequence number stays spent; only the counts of what exists are undone.
-                        state["published"] -= 1
-                        state["published_bytes"] -= nbytes
                         with contextlib.suppress(OSError):
-                            self._manifest.write_state(state)
+                            self._manifest.uncount_publish(nbytes)
                         raise
                     fsync_dir(self.shards_dir)
                     logger.debug("published %s (%d records, %d bytes)", info.path, records, nbytes)
@@ -419,21 +498,18 @@ class Cache:
     def _next_sampler_run(self) -> int:
         """Count one more sampler pool started on this cache; return how many started before."""
         with self._locked():
-            state = self._manifest.read_state()
-            run = int(state.get("sampler_runs", 0))
-            state["sampler_runs"] = run + 1
-            self._manifest.write_state(state)
-        return run
+            return self._manifest.count_sampler_run()
 
     def _refresh_capacity(self) -> None:
         """Take up a capacity stored since this process opened the cache.
 
         ``Cache(path, capacity=...)`` in any process changes the budget of every process
         using the cache (running samplers included) from their next publish, snapshot or
-        eviction on; otherwise each would keep enforcing the budget it opened with.
+        eviction on; otherwise each would keep enforcing the budget it opened with. A damaged
+        stored capacity is a :class:`CacheFormatError` here, never a budget of 0.
         """
         metadata = self._manifest.read_metadata()
-        if metadata is not None and isinstance(metadata.get("capacity"), int) and metadata["capacity"] > 0:
+        if metadata is not None:
             self.capacity = metadata["capacity"]
 
     def _leased_seqs(self) -> set[int]:
@@ -447,33 +523,40 @@ class Cache:
         """Assumes you hold the lock."""
         if not victims:
             return
-        deleted = [v for v in victims if _unlink_quiet(v.path)]
-        state = self._manifest.read_state()
-        state["evicted"] += len(deleted)
-        state["evicted_bytes"] += sum(v.nbytes for v in deleted)
-        self._manifest.write_state(state)
+        self._manifest.check_layout()  # never delete through a shards/ replaced by a link
+        deleted = []
+        for victim in victims:
+            try:
+                if _unlink_quiet(victim.path):
+                    deleted.append(victim)
+            except OSError as exc:  # replaced by a directory since it was listed: not ours to remove
+                logger.warning("could not evict %s (%s); it is left in place", victim.path, exc)
+        self._manifest.count_evictions(len(deleted), sum(v.nbytes for v in deleted))
         logger.debug("evicted %d shards from %s", len(deleted), self.path)
 
     def prune(self, to: int | str | None = None) -> list[ShardInfo]:
-        """Remove temporaries of dead writers and expired leases, then :meth:`evict` to ``to``."""
+        """Remove what dead processes left (temporaries, leases, shared memory), then :meth:`evict` to ``to``."""
         with self._locked():
             self._remove_stale()
             return self._evict(to)
 
     def _remove_stale(self) -> int:
-        """Delete temporaries whose writer process is gone. Assumes you hold the lock."""
+        """Delete what dead processes left, and rebuild damaged counters. Assumes you hold the lock."""
         removed = len(remove_abandoned_temporaries(self.shards_dir))
         if removed:
             logger.info("removed %d abandoned temporary shards from %s", removed, self.path)
         self._manifest.remove_write_temporaries()
         self._manifest.live_leases(remove_dead=True)
+        self._manifest.repair_state()
+        remove_dead_segments()
         return removed
 
     # -- inspection -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         """Shards, bytes, records, counters, leases and budget use, right now."""
         self._refresh_capacity()
-        shards = self.list_shards()
+        listing = scan_shards(self.shards_dir)
+        shards = listing.shards
         state = self._manifest.read_state()
         leases = self._manifest.live_leases()
         leased = {seq for lease in leases for seq in lease.get("seqs", ())}
@@ -497,35 +580,33 @@ class Cache:
             leases=len(leases),
             leased_shards=len(held),
             leased_bytes=sum(s.nbytes for s in held),
-            temporaries=sum(1 for n in _listdir(self.shards_dir) if n.startswith(TMP_PREFIX)),
+            temporaries=len(listing.temporaries),
             oldest_publish_time=times[0] if times else None,
             newest_publish_time=times[-1] if times else None,
+            irregular=tuple(listing.irregular + self._manifest.irregular_leases()),
         )
 
     def verify(self, *, remove_corrupt: bool = False, progress: Callable[[ShardInfo], None] | None = None) -> VerifyReport:
-        """Check every CRC of every published shard, and each shard's record count.
+        """Check every CRC of every published shard, and each shard's record count and size.
+
+        Memory stays bounded whatever a damaged length field claims: a record is checked in
+        chunks, and no length beyond the file's end is ever trusted.
 
         Args:
             remove_corrupt: delete corrupt shards that no lease holds. Default: ``False``.
             progress: called after each shard (the CLI drives a progress bar with it).
 
         Returns:
-            A :class:`VerifyReport` naming each corrupt shard with its byte offset.
+            A :class:`VerifyReport` naming each corrupt shard with its byte offset, and every
+            entry that is not a regular file.
         """
-        report = VerifyReport()
-        for name in sorted(_listdir(self.shards_dir)):
-            if not name.startswith(TMP_PREFIX) and ShardInfo.from_path(name) is None:
-                report.foreign.append(os.path.join(self.shards_dir, name))
-        for shard in self.list_shards():
-            count = offset = 0
+        listing = scan_shards(self.shards_dir)
+        report = VerifyReport(foreign=listing.foreign,
+                              irregular=listing.irregular + self._manifest.irregular_leases())
+        for shard in listing.shards:
+            count = 0
             try:
-                for offset, _ in iter_records(shard.path, verify=True):
-                    count += 1
-                if count != shard.records:
-                    raise CorruptShardError(
-                        shard.path, os.path.getsize(shard.path),
-                        f"holds {count} records, its name says {shard.records}",
-                    )
+                count = check_records(shard.path, expected=shard.records)
             except FileNotFoundError:
                 continue  # evicted while we read: not corrupt
             except CorruptShardError as exc:
@@ -538,9 +619,11 @@ class Cache:
             with self._locked():
                 leased = self._leased_seqs()
                 bad = {c.path for c in report.corrupt}
-                victims = [s for s in self.list_shards() if s.path in bad and s.seq not in leased]
+                present = [s for s in self.list_shards() if s.path in bad]
+                victims = [s for s in present if s.seq not in leased]
                 self._delete(victims)
                 report.removed = [v.path for v in victims]
+                report.kept_leased = [s.path for s in present if s.seq in leased]
         return report
 
 
@@ -561,5 +644,9 @@ def _give_back(tmp: str, moved_from: str | None) -> None:
                      "again, which removes temporaries of writers that are gone", tmp, moved_from, exc)
 
 
-def _is_owner_only(path: str) -> bool:
-    return stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"

@@ -14,6 +14,7 @@ __all__ = [
     "EmptyCacheError",
     "GrowcacheError",
     "MissingExtraError",
+    "RefusedFileError",
     "SamplerError",
     "SchemaError",
     "SchemaMismatchError",
@@ -83,3 +84,9 @@ class TransientSourceError(SourceError):
 
 class SamplerError(GrowcacheError, RuntimeError):
     """A sampler worker failed; the message carries the worker's traceback."""
+
+
+class RefusedFileError(GrowcacheError, ValueError):
+    """A file cannot be taken into a cache: it is not a regular file (a directory, a device,
+    a FIFO or a socket), or it is a shard that a lease still holds, or one of this cache."""
+

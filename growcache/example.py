@@ -2,80 +2,176 @@
 
 ``tensorflow`` and the ``tfrecord`` package both register ``tensorflow.BytesList`` in
 protobuf's default descriptor pool and cannot share a process, so the core carries this
-small codec instead of importing either. Only the subset growcache needs is handled:
-``Example{features{feature{key: bytes_list{value: <raw array>}}}}``.
+small codec instead of importing either. It handles fixed-shape features in every
+encoding a :class:`~growcache.schema.Schema` names: raw ``bytes_list`` values,
+``int64_list``, ``float_list`` and ``tf.io.serialize_tensor`` output, with map entries
+in any order (TensorFlow's writer orders them its own way).
 
-Because every feature has a fixed dtype and shape, every record a schema encodes has the
-same layout: the same protobuf prefix bytes before each payload, at the same offsets.
-:class:`ExampleCodec` precomputes that layout once, so encoding is a list of buffers with
-no copy of the payload, and decoding a growcache record is a prefix check plus slicing.
-Records written by other tools (TensorFlow's own writer orders map entries its own way)
-take the general parsing path.
+Record layouts. Each feature's values sit in one contiguous *payload*: the raw array
+bytes, the packed float32s of a ``float_list``, the ``tensor_content`` of a tensor, or
+the packed varints of an ``int64_list``. Every byte outside the payloads (tags, lengths,
+keys, tensor headers) is *structure*. Two records with the same length and the same
+structure bytes parse the same way, so :class:`ExampleCodec` parses a record in full only
+the first time its structure is seen; later records of that layout are checked by
+comparing their structure bytes and then sliced. Records growcache writes in the
+``bytes``, ``float_list`` and ``tensor`` encodings all share one layout; an
+``int64_list`` payload's length varies with its values, so such records take one layout
+per payload length (a label below 128, one byte, is one layout).
+
+:class:`BatchDecoder` copies records into the rows of a batch (one memcpy per payload)
+and decodes ``int64_list`` payloads once per batch, vectorized with numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ._protowire import (
+    FIXED32,
+    LEN,
+    MAX_VARINT_BYTES,
+    VARINT,
+    decode_varint_rows,
+    encode_varints,
+    iter_fields,
+    tag,
+    varint,
+)
 from .errors import SchemaError
-from .schema import Schema
+from .schema import FeatureSpec, Schema
+from .tensor_proto import parse_tensor, tensor_header
 
-__all__ = ["ExampleCodec"]
+__all__ = ["BatchDecoder", "ExampleCodec", "FoundFeature", "TFFeatureParse", "scan_example", "tf_parse_plan"]
 
-_LEN = 2  # protobuf wire type of length-delimited fields
-_TAG_1 = bytes([1 << 3 | _LEN])  # field 1, length-delimited
-_TAG_2 = bytes([2 << 3 | _LEN])  # field 2, length-delimited
+_TAG_1 = tag(1, LEN)
+_TAG_2 = tag(2, LEN)
+_KIND_FIELD = {"bytes": 1, "tensor": 1, "float_list": 2, "int64_list": 3}
+_KIND_NAME = {1: "bytes_list", 2: "float_list", 3: "int64_list"}
+_MAX_LAYOUTS = 64  # structures remembered per codec; beyond, records are parsed in full
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
+def _len_field(field_tag: bytes, body_len: int) -> bytes:
+    return field_tag + varint(body_len)
+
+
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+    """The values an ``int64_list`` may hold for ``dtype``."""
+    if dtype.kind == "b":
+        return 0, 1
+    info = np.iinfo(dtype)
+    return max(int(info.min), -(1 << 63)), min(int(info.max), (1 << 63) - 1)
+
+
+# -- scanning any Example ------------------------------------------------------------------
+@dataclass(frozen=True)
+class FoundFeature:
+    """One feature of a scanned record: its kind and where its values are.
+
+    Attributes:
+        kind: ``"bytes_list"``, ``"float_list"``, ``"int64_list"``, or ``"empty"`` (a
+            ``Feature`` that sets no kind).
+        values: for ``bytes_list``, the ``(start, stop)`` of each value; for the numeric
+            lists, each packed run ``(start, stop)`` (unpacked values are runs of one).
+        packed: the numeric list is one packed run (``values`` has one span).
+        entry: ``(start, stop)`` of the map entry in the record.
+    """
+
+    kind: str
+    values: tuple[tuple[int, int], ...]
+    packed: bool
+    entry: tuple[int, int]
+
+    def count(self, buf: memoryview) -> int:
+        """Values the feature holds."""
+        if self.kind == "bytes_list":
+            return len(self.values)
+        if self.kind == "float_list":
+            return sum((e - s) // 4 for s, e in self.values)
+        if self.kind == "int64_list":
+            return sum(int(np.count_nonzero(np.frombuffer(buf[s:e], np.uint8) < 0x80)) for s, e in self.values)
+        return 0
+
+
+def scan_example(record: Any) -> dict[str, FoundFeature]:
+    """Every feature of a serialized ``tf.train.Example``, in any entry order.
+
+    A key that appears twice keeps its last entry, as protobuf maps do.
+
+    Raises:
+        ValueError: the record is not a well-formed Example.
+    """
+    view = memoryview(record).cast("B")
+    found: dict[str, FoundFeature] = {}
+    for field, wire, start, stop in iter_fields(view, 0, len(view)):
+        if field != 1 or wire != LEN:
+            continue
+        for entry_field, entry_wire, es, ee in iter_fields(view, start, stop):
+            if entry_field != 1 or entry_wire != LEN:
+                continue
+            key = None
+            value = (ee, ee)
+            for f, w, s, e in iter_fields(view, es, ee):
+                if f == 1 and w == LEN:
+                    key = bytes(view[s:e]).decode("utf-8", "replace")
+                elif f == 2 and w == LEN:
+                    value = (s, e)
+            if key is None:
+                raise ValueError("feature map entry without a key")
+            found[key] = _scan_feature(view, value, (es, ee))
+    return found
+
+
+def _scan_feature(view: memoryview, span: tuple[int, int], entry: tuple[int, int]) -> FoundFeature:
+    kind = 0
+    spans: list[tuple[int, int]] = []
+    for f, w, s, e in iter_fields(view, *span):
+        if f in _KIND_NAME and w == LEN:
+            kind, spans = f, [(s, e)]  # a oneof: the last kind set wins
+    if not kind:
+        return FoundFeature("empty", (), True, entry)
+    values: list[tuple[int, int]] = []
+    runs = 0
+    for f, w, s, e in iter_fields(view, *spans[0]):
+        if f != 1:
+            continue
+        if kind == 1 and w == LEN:
+            values.append((s, e))
+        elif kind == 2 and w in (LEN, FIXED32):
+            runs += w == LEN
+            values.append((s, e))
+        elif kind == 3 and w in (LEN, VARINT):
+            runs += w == LEN
+            # An unpacked varint: its bytes run from after the key to the next field.
+            values.append((s, e) if w == LEN else _unpacked_varint_span(view, s, e))
         else:
-            out.append(byte)
-            return bytes(out)
+            raise ValueError(f"{_KIND_NAME[kind]} value with wire type {w}")
+    packed = kind == 1 or len(values) <= 1 and runs == len(values)
+    return FoundFeature(_KIND_NAME[kind], tuple(values), packed, entry)
 
 
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated or oversized varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
+def _unpacked_varint_span(view: memoryview, value: int, after: int) -> tuple[int, int]:
+    # iter_fields gives an unpacked varint as (value, position after it): find where it began.
+    start = after - 1
+    while start > 0 and view[start - 1] & 0x80:
+        start -= 1
+    return start, after
 
 
-def _iter_fields(buf: memoryview, pos: int, end: int):
-    """Yield ``(field_number, start, stop)`` of each length-delimited field; skip scalar ones."""
-    while pos < end:
-        key, pos = _read_varint(buf, pos, end)
-        field, wire = key >> 3, key & 7
-        if wire == _LEN:
-            length, pos = _read_varint(buf, pos, end)
-            if pos + length > end:
-                raise ValueError("field runs past the end of the record")
-            yield field, pos, pos + length
-            pos += length
-        elif wire == 0:
-            _, pos = _read_varint(buf, pos, end)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-    if pos != end:
-        raise ValueError("field runs past the end of the record")
+# -- the codec -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """A record structure: the structure bytes to compare, and each feature's payload span."""
+
+    checks: tuple[tuple[int, bytes], ...]  # (offset, bytes) of every structure run
+    spans: tuple[tuple[int, int], ...]  # (offset, nbytes) per feature, schema order
+
+
+class _NeedsDecode(Exception):
+    """A record whose values are not one contiguous payload per feature (unpacked lists, typed tensors)."""
 
 
 class ExampleCodec:
@@ -85,143 +181,445 @@ class ExampleCodec:
         schema: the schema every record follows.
 
     Attributes:
+        fixed_layout: every record this codec writes has the same layout (no ``int64_list``
+            feature); then ``prefixes``, ``layout`` and ``record_nbytes`` describe it.
         layout: ``(name, payload_offset, payload_nbytes)`` per feature, in schema order,
-            for records this codec writes.
-        prefixes: per feature, in schema order, the constant bytes that come before its
-            payload in every record this codec writes.
-        record_nbytes: serialized size of every record this codec writes.
+            for records this codec writes (``int64_list`` payloads: their largest size).
+        prefixes: per feature, in schema order, the structure bytes before its payload in
+            every record this codec writes (``fixed_layout`` only).
+        record_nbytes: serialized size of every record this codec writes; with
+            ``int64_list`` features, the largest possible.
     """
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.prefixes: list[bytes] = []
-        self.layout: list[tuple[str, int, int]] = []
-        features_body_len = 0
-        entries = []
-        for name, spec in schema.items():
-            key = name.encode("utf-8")
-            n = spec.nbytes
-            bytes_list_len = 1 + len(_varint(n)) + n
-            feature_len = 1 + len(_varint(bytes_list_len)) + bytes_list_len
-            entry_head = (
-                _TAG_1 + _varint(len(key)) + key + _TAG_2 + _varint(feature_len)
-                + _TAG_1 + _varint(bytes_list_len) + _TAG_1 + _varint(n)
-            )
-            entry_len = len(entry_head) + n
-            item_head = _TAG_1 + _varint(entry_len)
-            entries.append((name, item_head + entry_head, n))
-            features_body_len += len(item_head) + entry_len
-        example_head = _TAG_1 + _varint(features_body_len)
+        self.specs: list[FeatureSpec] = list(schema.values())
+        self.fixed_layout = all(s.encoding != "int64_list" for s in self.specs)
+        self._ranges = {s.name: _int_range(s.dtype) for s in self.specs if s.encoding == "int64_list"}
+        self._tensor_heads = {s.name: tensor_header(s.dtype, s.shape) for s in self.specs if s.encoding == "tensor"}
+        self._keys = {s.name: s.name.encode("utf-8") for s in self.specs}
+        # The largest record: every int64 value a 10-byte varint.
+        sizes = {s.name: s.size * MAX_VARINT_BYTES if s.encoding == "int64_list" else s.nbytes for s in self.specs}
+        self.prefixes = []
+        self.layout = []
         offset = 0
-        for index, (name, head, n) in enumerate(entries):
-            prefix = (example_head if index == 0 else b"") + head
-            offset += len(prefix)
-            self.prefixes.append(prefix)
-            self.layout.append((name, offset, n))
-            offset += n
+        heads = self._heads(sizes)
+        for index, (spec, head) in enumerate(zip(self.specs, heads)):
+            offset += len(head)
+            self.prefixes.append(head)
+            self.layout.append((spec.name, offset, sizes[spec.name]))
+            offset += sizes[spec.name]
         self.record_nbytes = offset
+        self._layouts: dict[int, list[_Layout]] = {}
+        self._layout_count = 0
+        if self.fixed_layout:
+            self._remember(_Layout(
+                tuple((o - len(p), p) for p, (_, o, _) in zip(self.prefixes, self.layout) if p),
+                tuple((o, n) for _, o, n in self.layout)), self.record_nbytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_layouts"], state["_layout_count"] = {}, 0  # learned again in each process
+        if self.fixed_layout:
+            state["_layouts"] = {self.record_nbytes: self._layouts[self.record_nbytes][:1]}
+            state["_layout_count"] = 1
+        return state
+
+    # -- encoding -------------------------------------------------------------------------
+    def _heads(self, payload_sizes: Mapping[str, int]) -> list[bytes]:
+        """Structure bytes before each payload (the Example's own head goes before the first)."""
+        entries = []
+        body = 0
+        for spec in self.specs:
+            n = payload_sizes[spec.name]
+            key = self._keys[spec.name]
+            if spec.encoding == "tensor":
+                inner = self._tensor_heads[spec.name]
+                list_body = _len_field(_TAG_1, len(inner) + n) + inner
+            else:  # a bytes value, or a packed list
+                list_body = _len_field(_TAG_1, n)
+            kind = _len_field(tag(_KIND_FIELD[spec.encoding], LEN), len(list_body) + n) + list_body
+            feature = _len_field(_TAG_2, len(kind) + n) + kind
+            entry = _len_field(_TAG_1, len(key)) + key + feature
+            item = _len_field(_TAG_1, len(entry) + n) + entry
+            entries.append(item)
+            body += len(item) + n
+        example = _len_field(_TAG_1, body)
+        return [(example if i == 0 else b"") + item for i, item in enumerate(entries)]
 
     def encode_pieces(self, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        """Return the serialized record as a list of buffers (prefixes and raw payloads).
+        """Return the serialized record as a list of buffers (structure and payloads).
 
         ``arrays`` must come from :meth:`Schema.validate` (C-contiguous, little-endian).
-        The payloads are not copied: write the pieces out before changing the arrays.
+        Raw payloads are not copied: write the pieces out before changing the arrays.
+
+        Raises:
+            SchemaError: an ``int64_list`` value does not fit in an int64 (a uint64 above 2**63 - 1).
         """
+        if self.fixed_layout:
+            prefixes = self.prefixes
+            payloads: dict[str, Any] = {}
+        else:
+            payloads = {s.name: self._int64_payload(s, arrays[s.name]) for s in self.specs
+                        if s.encoding == "int64_list"}
+            prefixes = self._heads({s.name: len(payloads[s.name]) if s.name in payloads else s.nbytes
+                                    for s in self.specs})
         pieces: list[Any] = []
-        for prefix, (name, _, _) in zip(self.prefixes, self.layout):
+        for prefix, spec in zip(prefixes, self.specs):
             pieces.append(prefix)
-            pieces.append(memoryview(arrays[name]).cast("B"))
+            payload = payloads.get(spec.name)
+            if payload is None:
+                array = arrays[spec.name]
+                payload = memoryview(array).cast("B") if array.nbytes else b""  # cast() refuses zero dims
+            pieces.append(payload)
         return pieces
+
+    def _int64_payload(self, spec: FeatureSpec, array: np.ndarray) -> bytes:
+        if spec.dtype.name == "uint64" and array.size and int(array.max()) > (1 << 63) - 1:
+            raise SchemaError(
+                f"feature {spec.name!r}: uint64 value {int(array.max())} does not fit int64_list (int64 values). "
+                "Store it with the 'bytes' or 'tensor' encoding."
+            )
+        return encode_varints(array.astype(np.int64, copy=False))
 
     def encode(self, sample: Mapping[str, Any]) -> bytes:
         """Validate ``sample`` and return it as one serialized ``tf.train.Example``."""
-        return b"".join(self.encode_pieces(self.schema.validate(sample)))
+        return b"".join(bytes(p) for p in self.encode_pieces(self.schema.validate(sample)))
 
+    # -- layouts --------------------------------------------------------------------------
     def has_layout(self, record: Any) -> bool:
         """True when ``record`` has exactly the fixed layout this codec writes."""
+        if not self.fixed_layout:
+            return False
         view = memoryview(record)
         if len(view) != self.record_nbytes:
             return False
-        for prefix, (_, offset, _) in zip(self.prefixes, self.layout):
-            if view[offset - len(prefix):offset] != prefix:
-                return False
-        return True
+        return all(view[o:o + len(b)] == b for o, b in self._layouts[self.record_nbytes][0].checks)
 
-    def payload_views(self, record: Any) -> dict[str, memoryview]:
-        """Return each feature's raw payload inside ``record`` (zero-copy).
+    def payload_spans(self, record: Any) -> tuple[tuple[int, int], ...]:
+        """``(offset, nbytes)`` of each feature's payload in ``record``, in schema order.
+
+        A payload is the raw array bytes (``bytes``, ``float_list``, ``tensor``) or the
+        packed varints of an ``int64_list``, whose count and range :meth:`decode` checks.
 
         Raises:
             ValueError: the record is not a well-formed Example.
-            SchemaError: a feature is missing, extra, not a single bytes value, or has the
-                wrong byte count for the schema.
+            SchemaError: a feature is missing or extra, has another kind or size than the
+                schema's, or its values are not one contiguous payload (unpacked lists,
+                typed tensor values; :meth:`decode` reads those).
         """
+        spans = self._spans(memoryview(record))
+        if isinstance(spans, str):
+            raise SchemaError(f"{spans}: read such records with decode()")
+        return spans
+
+    def _spans(self, view: memoryview) -> tuple[tuple[int, int], ...] | str:
+        """Like :meth:`payload_spans`, but says why (a str) when the values need the general decode."""
+        for layout in self._layouts.get(len(view), ()):
+            for offset, expected in layout.checks:
+                if view[offset:offset + len(expected)] != expected:
+                    break
+            else:
+                return layout.spans
+        view = view.cast("B") if view.format != "B" else view
+        found = self._check(scan_example(view), view)
+        try:
+            return self._learn(found, view)
+        except _NeedsDecode as exc:
+            return str(exc)
+
+    def _learn(self, found: dict[str, FoundFeature], view: memoryview) -> tuple[tuple[int, int], ...]:
+        spans = tuple(self._payload_span(spec, found[spec.name], view) for spec in self.specs)
+        if self._layout_count < _MAX_LAYOUTS:
+            payload = sorted((o, o + n) for o, n in spans if n)
+            checks = []
+            position = 0
+            for start, stop in [*payload, (len(view), len(view))]:
+                if start > position:
+                    checks.append((position, bytes(view[position:start])))
+                position = stop
+            self._remember(_Layout(tuple(checks), spans), len(view))
+        return spans
+
+    def _remember(self, layout: _Layout, size: int) -> None:
+        self._layouts.setdefault(size, []).append(layout)
+        self._layout_count += 1
+
+    def _check(self, found: dict[str, FoundFeature], view: memoryview) -> dict[str, FoundFeature]:
+        """Raise unless ``found`` holds exactly the schema's features, of the schema's kinds and counts."""
+        missing = [n for n in self.schema if n not in found]
+        extra = sorted(n for n in found if n not in self.schema)
+        if missing or extra:
+            raise SchemaError(
+                f"record features {sorted(found)} do not match the schema's {list(self.schema)}"
+                + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else "")
+                + ". Give the schema every feature of the records (growcache schema FILE prints it), "
+                "or open the cache with the schema the shards were written with."
+            )
+        for spec in self.specs:
+            feature = found[spec.name]
+            want = "bytes_list" if spec.encoding in ("bytes", "tensor") else spec.encoding
+            count = feature.count(view) if feature.kind != "empty" else 0
+            want_count = 1 if want == "bytes_list" else spec.size
+            if feature.kind == "empty" and want_count == 0:
+                continue
+            if feature.kind != want or count != want_count:
+                raise SchemaError(_mismatch(spec, feature.kind, count, feature, view))
+        return found
+
+    def _payload_span(self, spec: FeatureSpec, feature: FoundFeature, view: memoryview) -> tuple[int, int]:
+        if spec.encoding == "tensor":
+            start, stop = feature.values[0]
+            try:
+                tensor = parse_tensor(view, start, stop)
+            except ValueError as exc:
+                raise SchemaError(
+                    f"feature {spec.name!r}: the schema says encoding 'tensor' (tf.io.serialize_tensor output), but "
+                    f"the value of {stop - start} bytes is not a tensor growcache reads ({exc}). Run "
+                    "`growcache schema FILE` to see how the file stores each feature."
+                ) from None
+            if tensor.dtype != spec.dtype.name or tensor.shape != spec.shape:
+                raise SchemaError(
+                    f"feature {spec.name!r}: expected a serialized tensor of dtype {spec.dtype.name} shape "
+                    f"{spec.shape}, found dtype {tensor.dtype} shape {tensor.shape}. Change the schema to "
+                    f"{{{spec.name!r}: ({tensor.dtype!r}, {tensor.shape}, 'tensor')}}."
+                )
+            if tensor.content is None:
+                raise _NeedsDecode(f"feature {spec.name!r}: tensor values in typed fields")
+            return tensor.content[0], tensor.content[1] - tensor.content[0]
+        if not feature.values:
+            return 0, 0
+        if not feature.packed:
+            raise _NeedsDecode(f"feature {spec.name!r}: unpacked {feature.kind} values")
+        start, stop = feature.values[0]
+        if spec.encoding == "bytes" and stop - start != spec.nbytes:
+            raise SchemaError(
+                f"feature {spec.name!r}: expected {spec.nbytes} bytes for dtype {spec.dtype.name} shape "
+                f"{spec.shape} (raw bytes), the record holds {stop - start} bytes. " + _bytes_hint(spec, view, start, stop)
+            )
+        return start, stop - start
+
+    # -- decoding -------------------------------------------------------------------------
+    def payload_views(self, record: Any) -> dict[str, memoryview]:
+        """Each feature's payload inside ``record`` (zero-copy); see :meth:`payload_spans`."""
         view = memoryview(record).cast("B")
-        if self.has_layout(view):
-            return {name: view[offset:offset + n] for name, offset, n in self.layout}
-        return self._parse_general(view)
+        return {s.name: view[o:o + n] for s, (o, n) in zip(self.specs, self.payload_spans(view))}
 
     def decode(self, record: Any, *, copy: bool = True) -> dict[str, np.ndarray]:
         """Return the sample in ``record`` as arrays of the schema's dtypes and shapes.
 
         Args:
             record: one serialized Example (bytes, bytearray or memoryview).
-            copy: copy the arrays out of ``record``. Pass ``False`` only when ``record``
+            copy: copy raw payloads out of ``record``. Pass ``False`` only when ``record``
                 outlives the arrays. Default: ``True``.
+
+        Raises:
+            ValueError: the record is not a well-formed Example.
+            SchemaError: it does not follow the schema (missing, extra or mismatched
+                feature, an integer out of the dtype's range).
         """
+        view = memoryview(record).cast("B")
+        spans = self._spans(view)
+        if isinstance(spans, str):
+            found = self._check(scan_example(view), view)
+            return {s.name: self._decode_feature(s, found[s.name], view) for s in self.specs}
         out = {}
-        for name, payload in self.payload_views(record).items():
-            spec = self.schema[name]
+        for spec, (offset, nbytes) in zip(self.specs, spans):
+            payload = view[offset:offset + nbytes]
+            if spec.encoding == "int64_list":
+                values = decode_varint_rows(np.frombuffer(payload, np.uint8)[None], np.array([nbytes]), spec.size)
+                out[spec.name] = self._narrow(spec, values[0]).reshape(spec.shape)
+                continue
             array = np.frombuffer(payload, dtype=spec.dtype).reshape(spec.shape)
-            out[name] = array.copy() if copy else array
+            out[spec.name] = array.copy() if copy else array
         return out
 
-    def _parse_general(self, view: memoryview) -> dict[str, memoryview]:
-        payloads: dict[str, memoryview] = {}
-        for field, start, stop in _iter_fields(view, 0, len(view)):
-            if field != 1:
-                continue
-            for entry_field, es, ee in _iter_fields(view, start, stop):
-                if entry_field != 1:
-                    continue
-                key = value = None
-                for f, s, e in _iter_fields(view, es, ee):
-                    if f == 1:
-                        key = bytes(view[s:e]).decode("utf-8", "replace")
-                    elif f == 2:
-                        value = (s, e)
-                if key is None:
-                    raise ValueError("feature map entry without a key")
-                payloads[key] = self._bytes_value(view, key, value)
-        expected = list(self.schema)
-        if sorted(payloads) != sorted(expected):
-            raise SchemaError(
-                f"record features {sorted(payloads)} do not match the schema's {expected}. "
-                "Open the cache with the schema the shards were written with."
-            )
-        for name, payload in payloads.items():
-            spec = self.schema[name]
-            if len(payload) != spec.nbytes:
-                raise SchemaError(
-                    f"feature {name!r}: expected {spec.nbytes} bytes for dtype {spec.dtype.name} "
-                    f"shape {spec.shape}, the record holds {len(payload)} bytes"
-                )
-        return payloads
+    def _decode_feature(self, spec: FeatureSpec, feature: FoundFeature, view: memoryview) -> np.ndarray:
+        """The general path: any valid encoding of the feature, unpacked lists and typed tensors included."""
+        if spec.encoding == "tensor":
+            tensor = parse_tensor(view, *feature.values[0])
+            if tensor.array is not None:
+                return tensor.array.astype(spec.dtype)
+            start, stop = tensor.content  # type: ignore[misc]
+            return np.frombuffer(view[start:stop], spec.dtype).reshape(spec.shape).copy()
+        if spec.encoding == "bytes":
+            start, stop = feature.values[0]
+            return np.frombuffer(view[start:stop], spec.dtype).reshape(spec.shape).copy()
+        if spec.encoding == "float_list":
+            data = b"".join(bytes(view[s:e]) for s, e in feature.values)
+            return np.frombuffer(data, "<f4").reshape(spec.shape).copy()
+        data = np.frombuffer(b"".join(bytes(view[s:e]) for s, e in feature.values), np.uint8)
+        values = decode_varint_rows(data[None], np.array([data.size]), spec.size)[0]
+        return self._narrow(spec, values).reshape(spec.shape)
 
-    @staticmethod
-    def _bytes_value(view: memoryview, key: str, span: tuple[int, int] | None) -> memoryview:
-        values = []
-        kinds = []
-        if span is not None:
-            for kind, ks, ke in _iter_fields(view, *span):
-                kinds.append(kind)
-                if kind == 1:
-                    values.extend(view[s:e] for f, s, e in _iter_fields(view, ks, ke) if f == 1)
-        if kinds != [1] or len(values) != 1:
-            kind_names = {1: "bytes_list", 2: "float_list", 3: "int64_list"}
-            found = ", ".join(kind_names.get(k, f"field {k}") for k in kinds) or "nothing"
+    def _narrow(self, spec: FeatureSpec, values: np.ndarray) -> np.ndarray:
+        """int64 values as ``spec.dtype``, after checking they fit it."""
+        low, high = self._ranges[spec.name]
+        if values.size and (values.min() < low or values.max() > high):
+            bad = values[(values < low) | (values > high)][0]
             raise SchemaError(
-                f"feature {key!r}: growcache stores each array as one raw bytes value "
-                f"(bytes_list with 1 value), found {found} with {len(values)} bytes values. "
-                "Write it with tf.train.BytesList(value=[array.tobytes()])."
+                f"feature {spec.name!r}: int64_list value {int(bad)} is out of range for dtype {spec.dtype.name} "
+                f"[{low}, {high}]. Use a wider integer dtype in the schema, e.g. {{{spec.name!r}: ('int64', "
+                f"{spec.shape}, 'int64_list')}}."
             )
-        return values[0]
+        return values.astype(spec.dtype)
+
+
+def _bytes_hint(spec: FeatureSpec, view: memoryview, start: int, stop: int) -> str:
+    try:
+        tensor = parse_tensor(view, start, stop)
+    except ValueError:
+        return "Fix the dtype or shape in the schema (growcache schema FILE prints what the file holds)."
+    return (f"The value is tf.io.serialize_tensor output of dtype {tensor.dtype} shape {tensor.shape}: say so in the "
+            f"schema, {{{spec.name!r}: ({tensor.dtype!r}, {tensor.shape}, 'tensor')}}.")
+
+
+def _mismatch(spec: FeatureSpec, kind: str, count: int, feature: FoundFeature, view: memoryview) -> str:
+    expected_kind = "bytes_list with 1 value" if spec.encoding in ("bytes", "tensor") else (
+        f"{spec.encoding} with {spec.size} values")
+    found = f"{kind} with {count} value{'s' if count != 1 else ''}"
+    if kind == "bytes_list" and count == 1:
+        start, stop = feature.values[0]
+        found += f" of {stop - start} bytes"
+    expected = (f"{spec.dtype.name} shape {spec.shape} stored as {expected_kind}")
+    if kind == "int64_list":
+        fix = f"{{{spec.name!r}: ('int64', {(count,) if count != 1 else ()}, 'int64_list')}}"
+    elif kind == "float_list":
+        fix = f"{{{spec.name!r}: ('float32', {(count,) if count != 1 else ()}, 'float_list')}}"
+    elif kind == "bytes_list" and count == 1:
+        fix = (f"{{{spec.name!r}: (dtype, shape)}} with the dtype and shape of its raw bytes, or "
+               f"(dtype, shape, 'tensor') for tf.io.serialize_tensor output")
+    else:
+        fix = None
+    message = f"feature {spec.name!r}: expected {expected}, found {found}."
+    if fix:
+        message += f" Fix the schema, e.g. {fix} (any shape with the same number of values works)."
+    else:
+        message += (" growcache reads fixed-shape features only: VarLenFeature, SequenceExample and ragged "
+                    "features are not supported.")
+    return message
+
+
+class BatchDecoder:
+    """Copies records into the rows of a batch and finishes encoded features once per batch.
+
+    For ``bytes``, ``float_list`` and ``tensor`` features a record's payload is copied
+    straight into its row of the batch array. ``int64_list`` payloads are copied into a
+    staging row instead, with their length, and :meth:`finish` decodes the whole batch's
+    varints at once with numpy and range-checks them.
+
+    Usage: ``rows = decoder.rows(arrays)``; ``decoder.put(record, rows, row)`` per record
+    (rows may be moved between batches as whole rows of every array in ``rows``);
+    ``decoder.finish(arrays, rows, count)`` before the batch is used.
+
+    Args:
+        codec: the codec of the records' schema.
+    """
+
+    def __init__(self, codec: ExampleCodec) -> None:
+        self.codec = codec
+        self.specs = codec.specs
+        self._varint = [i for i, s in enumerate(self.specs) if s.encoding == "int64_list"]
+        # Per feature, the index in rows() of its payload lengths (int64_list), or -1.
+        self._length_rows = [len(self.specs) + self._varint.index(i) if i in self._varint else -1
+                             for i in range(len(self.specs))]
+
+    def rows(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Flat byte rows to fill for a batch of ``arrays`` (each ``(batch, *shape)``)."""
+        rows = []
+        batch = next(iter(arrays.values())).shape[0]
+        for spec, length_row in zip(self.specs, self._length_rows):
+            if length_row >= 0:
+                rows.append(np.empty((batch, max(spec.size * MAX_VARINT_BYTES, 1)), np.uint8))
+            else:
+                rows.append(arrays[spec.name].reshape(batch, spec.nbytes // spec.dtype.itemsize).view(np.uint8))
+        rows.extend(np.zeros(batch, np.int32) for _ in self._varint)  # payload lengths
+        return rows
+
+    def put(self, record: Any, rows: list[np.ndarray], row: int) -> None:
+        """Copy ``record``'s payloads into row ``row`` of ``rows``.
+
+        Raises:
+            ValueError: the record is not a well-formed Example.
+            SchemaError: it does not follow the schema.
+        """
+        spans = self.codec._spans(record if type(record) is memoryview else memoryview(record))
+        if isinstance(spans, str):
+            self._put_decoded(self.codec.decode(record), rows, row)
+            return
+        for dst, (offset, nbytes), length_row in zip(rows, spans, self._length_rows):
+            if length_row < 0:
+                if nbytes:
+                    dst[row] = np.frombuffer(record, np.uint8, nbytes, offset)
+                continue
+            if nbytes > dst.shape[1]:
+                raise SchemaError(f"an int64_list payload of {nbytes} bytes holds more values than the schema's "
+                                  f"{dst.shape[1] // MAX_VARINT_BYTES}")
+            dst[row, :nbytes] = np.frombuffer(record, np.uint8, nbytes, offset)
+            rows[length_row][row] = nbytes
+
+    def _put_decoded(self, sample: dict[str, np.ndarray], rows: list[np.ndarray], row: int) -> None:
+        for index, (spec, length_row) in enumerate(zip(self.specs, self._length_rows)):
+            array = sample[spec.name]
+            if length_row >= 0:
+                payload = np.frombuffer(encode_varints(array.astype(np.int64)), np.uint8)
+                rows[index][row, :payload.size] = payload
+                rows[length_row][row] = payload.size
+            elif array.nbytes:
+                rows[index][row] = np.ascontiguousarray(array, spec.dtype).reshape(-1).view(np.uint8)
+
+    def finish(self, arrays: Mapping[str, np.ndarray], rows: list[np.ndarray], count: int) -> None:
+        """Decode the ``int64_list`` features of the first ``count`` rows into ``arrays``.
+
+        Raises:
+            SchemaError: a value is out of its dtype's range, or a payload holds another
+                number of values than the schema's shape.
+        """
+        for index in self._varint:
+            spec = self.specs[index]
+            try:
+                values = decode_varint_rows(rows[index][:count], rows[self._length_rows[index]][:count], spec.size)
+            except ValueError as exc:
+                raise SchemaError(f"feature {spec.name!r}: bad int64_list payload ({exc})") from None
+            arrays[spec.name][:count] = self.codec._narrow(spec, values).reshape(count, *spec.shape)
+
+
+# -- TensorFlow's view, without TensorFlow -------------------------------------------------
+@dataclass(frozen=True)
+class TFFeatureParse:
+    """How TensorFlow reads one feature: what ``FixedLenFeature`` parses, and what follows.
+
+    Attributes:
+        parse_dtype: ``FixedLenFeature`` dtype: ``"string"``, ``"int64"`` or ``"float32"``.
+        parse_shape: ``FixedLenFeature`` shape: ``()`` for strings, the feature's shape for lists.
+        then: ``"decode_raw"`` (raw bytes), ``"parse_tensor"`` (``tf.io.parse_tensor``),
+            ``"cast"`` (an int64 list narrowed to ``dtype`` after a range check) or ``"none"``.
+        dtype: the feature's dtype name.
+        shape: the feature's shape.
+        value_range: the ``(min, max)`` an int64 list may hold for ``dtype``; ``None`` otherwise.
+    """
+
+    parse_dtype: str
+    parse_shape: tuple[int, ...]
+    then: str
+    dtype: str
+    shape: tuple[int, ...]
+    value_range: tuple[int, int] | None = None
+
+
+def tf_parse_plan(schema: Schema) -> dict[str, TFFeatureParse]:
+    """Per feature, how TensorFlow parses it natively (``tf.io.parse_example`` and what follows)."""
+    plan = {}
+    for name, spec in schema.items():
+        dtype, shape = spec.dtype.name, spec.shape
+        if spec.encoding == "bytes":
+            plan[name] = TFFeatureParse("string", (), "decode_raw", dtype, shape)
+        elif spec.encoding == "tensor":
+            plan[name] = TFFeatureParse("string", (), "parse_tensor", dtype, shape)
+        elif spec.encoding == "float_list":
+            plan[name] = TFFeatureParse("float32", shape, "none", dtype, shape)
+        else:
+            plan[name] = TFFeatureParse("int64", shape, "none" if dtype == "int64" else "cast", dtype, shape,
+                                        _int_range(spec.dtype))
+    return plan
+

@@ -8,7 +8,11 @@ Layout of a cache directory::
     shards/          published shards, and .tmp-* files being written
     leases/          one JSON file per live snapshot
 
-State files are JSON: nothing read from a cache is ever unpickled.
+State files are JSON: nothing read from a cache is ever unpickled. Every value read is
+checked for type and range before use. Damaged metadata (``growcache.json``) is refused
+with a :class:`CacheFormatError` naming the file, the field and the fix, since nothing
+else knows the schema; damaged counters (``state.json``) are rebuilt from the shard
+listing with a warning; a damaged lease expires.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterable
@@ -24,6 +29,7 @@ from typing import Any
 
 from . import _proc
 from .errors import CacheFormatError
+from .shard import scan_shards
 
 __all__ = ["FORMAT_VERSION", "Manifest", "atomic_write_bytes", "fsync_dir"]
 
@@ -35,6 +41,8 @@ STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
 SHARDS_DIR = "shards"
 LEASES_DIR = "leases"
+# Counters that only grow; their default is 0. ``next_seq`` (default 1) is kept apart.
+_COUNTERS = ("published", "published_bytes", "evicted", "evicted_bytes", "sampler_runs")
 
 
 def fsync_dir(path: str) -> None:
@@ -88,33 +96,103 @@ class Manifest:
         self.shards_dir = os.path.join(root, SHARDS_DIR)
         self.leases_dir = os.path.join(root, LEASES_DIR)
 
+    # -- layout -----------------------------------------------------------------------------
+    def make_layout(self, mode: int) -> None:
+        """Create the cache directory and its ``shards/`` and ``leases/``; refuse linked ones."""
+        os.makedirs(self.root, mode=mode, exist_ok=True)
+        for directory in (self.shards_dir, self.leases_dir):
+            try:
+                os.mkdir(directory, mode)
+            except FileExistsError:
+                pass
+        self.check_layout()
+
+    def check_layout(self) -> None:
+        """Raise :class:`CacheFormatError` unless ``shards/`` and ``leases/`` are real directories.
+
+        growcache deletes files inside both. Through a symbolic link it would delete files
+        of whatever directory the link points to, outside the cache.
+        """
+        for directory in (self.shards_dir, self.leases_dir):
+            try:
+                mode = os.lstat(directory).st_mode
+            except FileNotFoundError:
+                raise CacheFormatError(
+                    f"{directory} is missing: the cache directory {self.root} was damaged. Open it with "
+                    "Cache() again to recreate it (published shards in it are kept)."
+                ) from None
+            if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+                raise CacheFormatError(
+                    f"{directory} is {kind}. growcache deletes files inside it, so it refuses anything but a "
+                    f"real directory there (a link could point outside the cache). Replace it with a directory: "
+                    f"move it away, then open the cache again."
+                )
+
     def remove_write_temporaries(self) -> None:
         """Delete temporaries of metadata, state and lease writes that a killed process left.
 
         Assumes you hold the lock: every such write happens under it, so none is in progress.
         """
         for directory in (self.root, self.leases_dir):
-            for name in _listdir(directory):
-                if _WRITE_TEMP.search(name):
-                    _unlink_quiet(os.path.join(directory, name))
+            for entry in _scandir(directory):
+                if _WRITE_TEMP.search(entry.name) and _is_regular(entry):
+                    _unlink_quiet(entry.path)
 
     # -- metadata ---------------------------------------------------------------------------
-    def read_metadata(self) -> dict[str, Any] | None:
-        """The metadata, or ``None`` for a directory that is not a cache yet."""
+    def read_metadata(self, *, replacing: Iterable[str] = ()) -> dict[str, Any] | None:
+        """The metadata, every field checked; ``None`` for a directory that is not a cache yet.
+
+        Args:
+            replacing: fields the caller is about to store new values for; a damaged value
+                of one of them is no error (``Cache(path, capacity=...)`` repairs a bad capacity).
+
+        Raises:
+            CacheFormatError: a field is missing, of the wrong type or out of range, naming
+                the file, the field and the fix; or the format is newer than this growcache.
+        """
         data = self._read_json(self.metadata_path)
         if data is None:
             return None
+        path = self.metadata_path
         version = data.get("format_version")
-        if not isinstance(version, int):
+        if not _is_int(version) or version < 1:
             raise CacheFormatError(
-                f"{self.metadata_path} has no integer 'format_version'; this is not a growcache "
-                "cache, or its metadata is damaged. Point Cache() at another directory."
+                f"{path}: field 'format_version' is {version!r}, not a positive integer; this is not a growcache "
+                "cache, or its metadata is damaged. Restore the file from a backup, or point Cache() at another "
+                "directory."
             )
         if version > FORMAT_VERSION:
             raise CacheFormatError(
-                f"{self.metadata_path} is format version {version}, newer than the version {FORMAT_VERSION} "
+                f"{path} is format version {version}, newer than the version {FORMAT_VERSION} "
                 "this growcache understands. Upgrade growcache to read it; it is refused rather than misread."
             )
+        replacing = set(replacing)
+        capacity = data.get("capacity")
+        if "capacity" not in replacing and not (_is_int(capacity) and capacity > 0):
+            raise CacheFormatError(
+                f"{path}: field 'capacity' is {capacity!r}, not a positive number of bytes. Nothing was deleted. "
+                "Store a valid budget by opening the cache with Cache(path, capacity='500GB') (any size)."
+            )
+        created = data.get("created")
+        if created is not None and not (isinstance(created, (int, float)) and not isinstance(created, bool)):
+            raise CacheFormatError(
+                f"{path}: field 'created' is {created!r}, not a time. Restore the file, or set the field to a number "
+                "of seconds since 1970 (it is only informative)."
+            )
+        schema = data.get("schema")
+        if schema is not None:
+            from .schema import Schema  # the schema module validates its own dicts
+
+            try:
+                if not isinstance(schema, dict):
+                    raise TypeError(f"a {type(schema).__name__}, not an object")
+                Schema.from_dict(schema)
+            except (ValueError, TypeError) as exc:
+                raise CacheFormatError(
+                    f"{path}: field 'schema' is damaged ({exc}). Restore the file from a backup: the schema is "
+                    "stored nowhere else, so growcache cannot rebuild it."
+                ) from None
         return data
 
     def write_metadata(self, data: dict[str, Any]) -> None:
@@ -123,40 +201,132 @@ class Manifest:
 
     # -- counters ---------------------------------------------------------------------------
     def read_state(self) -> dict[str, int]:
-        """Publish and eviction counters."""
-        state = {"next_seq": 1, "published": 0, "published_bytes": 0, "evicted": 0, "evicted_bytes": 0}
-        state.update(self._read_json(self.state_path) or {})
+        """Publish and eviction counters, each checked.
+
+        Damaged or missing counters are rebuilt from the shard listing, with a warning:
+        the next sequence number and the published shards and bytes from the shards
+        present; the eviction counters restart at 0; the count of sampler pool starts
+        restarts from the clock, so no later pool repeats an earlier pool's random streams.
+        """
+        try:
+            stored = self._read_json(self.state_path)
+            damage = None
+        except CacheFormatError as exc:
+            stored, damage = {}, str(exc)
+        state: dict[str, int] = {}
+        bad: list[str] = []
+        for name, default in (("next_seq", 1), *((c, 0) for c in _COUNTERS)):
+            value = (stored or {}).get(name, default if name == "sampler_runs" else None)
+            if _is_int(value) and value >= default:
+                state[name] = value
+            else:
+                bad.append(name)
+        if not bad:
+            return state
+        shards = scan_shards(self.shards_dir).shards
+        if stored is None and damage is None and not shards:
+            return {"next_seq": 1, **dict.fromkeys(_COUNTERS, 0)}  # a new cache
+        rebuilt = {
+            "next_seq": max((s.seq for s in shards), default=0) + 1,
+            "published": len(shards),
+            "published_bytes": sum(s.nbytes for s in shards),
+            "evicted": 0,
+            "evicted_bytes": 0,
+            "sampler_runs": int(time.time()),
+        }
+        for name in bad:
+            state[name] = rebuilt[name]
+        what = damage or (f"{self.state_path} is missing" if stored is None
+                          else f"{self.state_path}: field(s) {', '.join(bad)} missing or out of range")
+        logger.warning("%s; rebuilt %s from the %d shards present (shards published and evicted before now "
+                       "are no longer counted)", what, ", ".join(bad), len(shards))
         return state
 
     def write_state(self, state: dict[str, int]) -> None:
         """Replace the counters. Assumes you hold the lock."""
         atomic_write_bytes(self.state_path, _dumps(state), self.file_mode)
 
+    def repair_state(self) -> None:
+        """Write the counters back if they had to be rebuilt. Assumes you hold the lock."""
+        state = self.read_state()
+        if self._read_json_quiet(self.state_path) != state:
+            self.write_state(state)
+
+    def count_publish(self, newest: int, nbytes: int) -> int:
+        """Spend the next sequence number on a shard of ``nbytes``; return it.
+
+        The counters are written before the shard is renamed: if they cannot be (a full disk),
+        nothing is published, and a sequence number is never handed out twice (a second shard
+        of the same size would replace a published one). Assumes you hold the lock.
+
+        Args:
+            newest: the largest sequence number listed now. The counter is never behind it:
+                a stale (restored) state file must not make a publish overwrite a shard.
+        """
+        state = self.read_state()
+        seq = max(state["next_seq"], newest + 1)
+        state["next_seq"] = seq + 1
+        state["published"] += 1
+        state["published_bytes"] += nbytes
+        self.write_state(state)
+        return seq
+
+    def uncount_publish(self, nbytes: int) -> None:
+        """A counted shard could not be renamed: undo its counts; its sequence number stays spent."""
+        state = self.read_state()
+        state["published"] = max(state["published"] - 1, 0)
+        state["published_bytes"] = max(state["published_bytes"] - nbytes, 0)
+        self.write_state(state)
+
+    def count_evictions(self, shards: int, nbytes: int) -> None:
+        """Add deleted shards to the eviction counters. Assumes you hold the lock."""
+        state = self.read_state()
+        state["evicted"] += shards
+        state["evicted_bytes"] += nbytes
+        self.write_state(state)
+
+    def count_sampler_run(self) -> int:
+        """Count one more sampler pool start; return how many started before. Assumes you hold the lock."""
+        state = self.read_state()
+        run = state["sampler_runs"]
+        state["sampler_runs"] = run + 1
+        self.write_state(state)
+        return run
+
     # -- leases -----------------------------------------------------------------------------
     def write_lease(self, seqs: Iterable[int], holder: str = "") -> str:
-        """Record a lease on ``seqs`` for this process and return its file path."""
+        """Record a lease on ``seqs`` for this process and return its file path.
+
+        The lease's modification time is its heartbeat, refreshed by this process until the
+        lease is released (see :mod:`growcache._proc`).
+        """
         pid, start = _proc.this_process()
         path = os.path.join(self.leases_dir, f"{pid}-{uuid.uuid4().hex}.json")
         body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
                 "holder": holder, "seqs": sorted(seqs)}
         atomic_write_bytes(path, _dumps(body), self.file_mode)
+        _proc.keep_alive(path)
         return path
 
     def live_leases(self, *, remove_dead: bool = False) -> list[dict[str, Any]]:
-        """Every lease whose holder process is alive. Dead holders' leases expire here.
+        """Every lease whose holder lives. Dead holders' leases expire here.
+
+        A holder on this machine lives while its process does; one on another machine (by the
+        lease's machine tag) while its heartbeat is recent (:func:`growcache._proc.is_alive`).
 
         Args:
             remove_dead: delete expired lease files; only with the lock held. Default: ``False``.
         """
+        if remove_dead:
+            self.check_layout()  # never delete through a leases/ that was replaced by a link
         leases = []
-        for name in _listdir(self.leases_dir):
-            if not name.endswith(".json") or name.endswith(".tmp"):
-                continue
-            path = os.path.join(self.leases_dir, name)
+        for entry in _scandir(self.leases_dir):
+            name = entry.name
+            if not name.endswith(".json") or not _is_regular(entry):
+                continue  # write temporaries, and non-regular entries (reported by irregular_leases)
+            path = entry.path
             try:
-                lease = self._read_json(path)
-                if lease is not None:
-                    _check_lease(lease, path)
+                lease, heartbeat = self._read_lease(path)
             except CacheFormatError as exc:
                 # Leases are replaced atomically, so a damaged one was not written by a live
                 # growcache reader: it expires, rather than pinning its shards forever or
@@ -167,19 +337,35 @@ class Manifest:
                 continue
             if lease is None:
                 continue
-            if _proc.is_alive(lease["pid"], lease.get("start_time"), lease.get("host")):
+            host = lease.get("host")
+            if _proc.is_alive(lease["pid"], lease.get("start_time"), host, heartbeat):
                 lease["path"] = path
                 leases.append(lease)
-                if lease.get("host") not in (None, _proc.this_host()) and path not in _FOREIGN_WARNED:
-                    _FOREIGN_WARNED.add(path)
-                    logger.warning(
-                        "lease %s (holder %r) was taken on another machine: its shards stay until that process "
-                        "closes it, since no process check reaches another machine. If that trainer is gone, "
-                        "delete the file. A cache directory is meant for the processes of one machine.",
-                        path, lease.get("holder", ""))
             elif remove_dead:
+                if host not in (None, _proc.this_host()):
+                    logger.warning("lease %s (holder %r) of another machine or an earlier hostname had no heartbeat "
+                                   "for %.0f s (expiry %g s): its holder is judged dead and the lease removed",
+                                   path, lease.get("holder", ""), time.time() - heartbeat, _proc.owner_expiry())
                 _unlink_quiet(path)
         return leases
+
+    def irregular_leases(self) -> list[str]:
+        """Entries of ``leases/`` that are not regular files (directories, links): ignored, reported."""
+        return sorted(e.path for e in _scandir(self.leases_dir) if not _is_regular(e))
+
+    def _read_lease(self, path: str) -> tuple[dict[str, Any] | None, float]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None, 0.0
+        except OSError as exc:
+            raise CacheFormatError(f"lease {path} cannot be read ({exc})") from None
+        with os.fdopen(fd, "rb") as f:
+            heartbeat = os.fstat(f.fileno()).st_mtime
+            raw = f.read(1 << 20)
+        lease = _parse_json(raw, f"lease {path}")
+        _check_lease(lease, path)
+        return lease, heartbeat
 
     def _read_json(self, path: str) -> dict[str, Any] | None:
         try:
@@ -187,18 +373,27 @@ class Manifest:
                 raw = f.read()
         except FileNotFoundError:
             return None
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
+        except IsADirectoryError:
             raise CacheFormatError(
-                f"{path} is not valid JSON ({exc}); the file is damaged. Restore it or remove the cache directory."
-            ) from exc
-        if not isinstance(data, dict):
-            raise CacheFormatError(f"{path} does not hold a JSON object; the file is damaged.")
-        return data
+                f"{path} is a directory, not a file; the cache is damaged. Move it away and restore the file."
+            ) from None
+        return _parse_json(raw, path)
+
+    def _read_json_quiet(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self._read_json(path)
+        except CacheFormatError:
+            return None
 
 
-_FOREIGN_WARNED: set[str] = set()  # leases of other machines already warned about, per process
+def _parse_json(raw: bytes, label: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CacheFormatError(f"{label} is not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(data, dict):
+        raise CacheFormatError(f"{label} does not hold a JSON object; the file is damaged")
+    return data
 
 
 def _is_int(value: Any) -> bool:
@@ -211,12 +406,14 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
     seqs = lease.get("seqs")
     if not (_is_int(lease.get("pid")) and lease["pid"] > 0):
         problem = f"its pid is {lease.get('pid')!r}, not a positive integer"
-    elif start_time is not None and not _is_int(start_time):
+    elif start_time is not None and not (_is_int(start_time) and start_time >= 0):
         problem = f"its start_time is {start_time!r}, not an integer"
     elif not isinstance(lease.get("host") or "", str):
         problem = f"its host is {lease['host']!r}, not a string"
-    elif not (isinstance(seqs, list) and all(_is_int(seq) for seq in seqs)):
-        problem = "its seqs are not a list of integers"
+    elif not (isinstance(seqs, list) and all(_is_int(seq) and seq > 0 for seq in seqs)):
+        problem = "its seqs are not a list of positive integers"
+    elif not isinstance(lease.get("holder", ""), str):
+        problem = f"its holder is {lease['holder']!r}, not a string"
     else:
         return
     raise CacheFormatError(f"lease {path} is damaged: {problem}")
@@ -224,6 +421,20 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
 
 def _dumps(data: dict[str, Any]) -> bytes:
     return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        return list(os.scandir(path))
+    except FileNotFoundError:
+        return []
+
+
+def _is_regular(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def _listdir(path: str) -> list[str]:

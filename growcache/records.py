@@ -16,8 +16,9 @@ from typing import Any
 import crc32c as _crc32c
 
 from .errors import CorruptShardError
+from .shard import ShardInfo
 
-__all__ = ["frame_footer", "frame_header", "iter_records", "masked_crc32c", "unmask_crc32c"]
+__all__ = ["check_records", "frame_footer", "frame_header", "iter_records", "masked_crc32c", "unmask_crc32c"]
 
 _MASK_DELTA = 0xA282EAD8
 HEADER_BYTES = 12
@@ -70,39 +71,81 @@ def frame_pieces(pieces: Iterable[Any]) -> tuple[list[Any], int]:
     return [frame_header(length), *pieces, frame_footer(crc)], length + HEADER_BYTES + FOOTER_BYTES
 
 
-def iter_records(path: str | os.PathLike, *, verify: bool = True) -> Iterator[tuple[int, memoryview]]:
+def iter_records(
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    expected: int | None = None,
+    max_record_bytes: int | None = None,
+) -> Iterator[tuple[int, memoryview]]:
     """Yield ``(offset, record)`` for every record of a TFRecord file.
 
     The record is a view into a reused buffer, valid until the next iteration: copy it
     (``bytes(record)``) to keep it.
 
+    Every length is checked against the file's size before anything is allocated for it,
+    so a crafted length can neither misframe the file nor exhaust memory. A file named like
+    a published shard must hold exactly the records and bytes its name states: a shard cut
+    at a record boundary is as corrupt as one cut mid-record, and never ends quietly short.
+
     Args:
         path: the shard file.
-        verify: check both CRC32Cs of every record. The length CRC and truncation are
-            always checked, since a corrupt length would misframe the rest. Default: ``True``.
+        verify: check both CRC32Cs of every record. The length CRC, truncation and the record
+            count are always checked, since a wrong length would misframe the rest.
+            Default: ``True``.
+        expected: the number of records the file must hold. Default: the count a published
+            shard's file name states; no count check for files named otherwise.
+        max_record_bytes: refuse longer records as corrupt, before reading them. Default:
+            ``None`` (any length the file can hold).
 
     Raises:
-        CorruptShardError: a CRC mismatch or a truncated record, with the file and offset.
+        CorruptShardError: a CRC mismatch, a truncated record, a record count or size that
+            differs from the shard's name, or a record longer than ``max_record_bytes``;
+            with the file and byte offset.
     """
     path = os.fspath(path)
     with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        reader = _FrameReader(file, path, size)
-        yield from reader.records(verify)
+        reader = _FrameReader(file, path, expected, max_record_bytes)
+        yield from reader.frames(verify, whole=True)  # type: ignore[misc]
+
+
+def check_records(path: str | os.PathLike, *, expected: int | None = None) -> int:
+    """Check every CRC32C of a TFRecord file and return its record count.
+
+    Like :func:`iter_records` (same checks, same errors), but records are never held
+    whole: each payload's CRC is computed over chunks of at most 8 MiB, so memory stays
+    bounded whatever length a record claims. ``Cache.verify`` uses it.
+    """
+    path = os.fspath(path)
+    with open(path, "rb", buffering=0) as file:
+        reader = _FrameReader(file, path, expected, None)
+        count = 0
+        for _ in reader.frames(verify=True, whole=False):
+            count += 1
+        return count
 
 
 class _FrameReader:
     """Reads frames from an unbuffered file through one large reusable buffer.
 
     Records that fit in the buffer are returned as slices of it (no copy); larger ones are
-    read into a dedicated buffer. One ``readinto`` serves many small records.
+    read into a dedicated buffer, or (``whole=False``) only checked, chunk by chunk. One
+    ``readinto`` serves many small records.
     """
 
-    def __init__(self, file: Any, path: str, size: int) -> None:
+    def __init__(self, file: Any, path: str, expected: int | None, max_record_bytes: int | None) -> None:
         self.file = file
         self.path = path
-        self.size = size
-        self.buffer = bytearray(min(_READ_CHUNK, max(size, HEADER_BYTES)))
+        self.size = os.fstat(file.fileno()).st_size
+        named = ShardInfo.from_path(path)
+        self.expected = expected if expected is not None else named.records if named is not None else None
+        self.max_record_bytes = max_record_bytes
+        if named is not None and self.size != named.nbytes:
+            # Checked at the end, not here: a cut inside a record is reported at that record.
+            self.named_bytes: int | None = named.nbytes
+        else:
+            self.named_bytes = None
+        self.buffer = bytearray(min(_READ_CHUNK, max(self.size, HEADER_BYTES)))
         self.view = memoryview(self.buffer)
         self.start = 0  # file offset of buffer[0]
         self.filled = 0  # valid bytes in buffer
@@ -128,8 +171,20 @@ class _FrameReader:
                 raise CorruptShardError(self.path, offset, "file shrank while it was read")
         return self.view[begin:begin + need]
 
-    def records(self, verify: bool) -> Iterator[tuple[int, memoryview]]:
-        path, size, offset = self.path, self.size, 0
+    def _read_exactly(self, offset: int, into: memoryview) -> None:
+        self.file.seek(offset)
+        got = 0
+        while got < len(into):
+            n = self.file.readinto(into[got:])
+            if not n:
+                raise CorruptShardError(self.path, offset, "file shrank while it was read")
+            got += n
+        self.filled = 0  # the reusable buffer no longer mirrors the file position
+
+    def frames(self, verify: bool, whole: bool) -> Iterator[tuple[int, memoryview | None]]:
+        """Yield ``(offset, data)``; ``whole=False`` never holds a record larger than the
+        buffer (it yields ``None`` as the data of those, after checking their CRC)."""
+        path, size, offset, count = self.path, self.size, 0, 0
         capacity = len(self.buffer)
         while offset < size:
             if size - offset < HEADER_BYTES:
@@ -138,30 +193,54 @@ class _FrameReader:
             length, length_crc = _LENGTH_AND_CRC.unpack(header)
             if masked_crc32c(header[:8]) != length_crc:
                 raise CorruptShardError(path, offset, "length CRC32C mismatch (corrupt record header)")
-            end = offset + HEADER_BYTES + length + FOOTER_BYTES
-            if end > size:
+            # Before any allocation: a length the file cannot hold is never trusted.
+            if length > size - offset - HEADER_BYTES - FOOTER_BYTES:
                 raise CorruptShardError(
                     path, offset, f"truncated record: needs {length + 16} bytes, file has {size - offset} left"
                 )
+            if self.max_record_bytes is not None and length > self.max_record_bytes:
+                raise CorruptShardError(path, offset, f"a record of {length} bytes, more than the "
+                                                      f"{self.max_record_bytes} bytes a record may have here")
+            if self.expected is not None and count >= self.expected:
+                raise CorruptShardError(path, offset, f"holds more records than the {self.expected} its name says")
             frame_bytes = length + HEADER_BYTES + FOOTER_BYTES
+            data: memoryview | None
             if frame_bytes <= capacity:
                 frame = self._fill(offset, frame_bytes)
                 data = frame[HEADER_BYTES:HEADER_BYTES + length]
-                footer = frame[HEADER_BYTES + length:]
-            else:
-                if len(self.big) < length + FOOTER_BYTES:
-                    self.big = bytearray(length + FOOTER_BYTES)
+                stored = _CRC.unpack(frame[HEADER_BYTES + length:])[0]
+                if verify and masked_crc32c(data) != stored:
+                    raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
+            elif whole:
+                try:
+                    if len(self.big) < length + FOOTER_BYTES:
+                        self.big = bytearray(length + FOOTER_BYTES)
+                except MemoryError:
+                    self.big = bytearray()
+                    raise CorruptShardError(path, offset, f"a record of {length} bytes does not fit in memory") from None
                 big = memoryview(self.big)[:length + FOOTER_BYTES]
-                self.file.seek(offset + HEADER_BYTES)
-                got = 0
-                while got < len(big):
-                    n = self.file.readinto(big[got:])
-                    if not n:
-                        raise CorruptShardError(path, offset, "file shrank while it was read")
-                    got += n
-                self.filled = 0
-                data, footer = big[:length], big[length:]
-            if verify and masked_crc32c(data) != _CRC.unpack(footer)[0]:
-                raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
+                self._read_exactly(offset + HEADER_BYTES, big)
+                data = big[:length]
+                if verify and masked_crc32c(data) != _CRC.unpack(big[length:])[0]:
+                    raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
+            else:
+                crc, position, end = 0, offset + HEADER_BYTES, offset + HEADER_BYTES + length
+                while position < end:
+                    chunk = self.view[:min(capacity, end - position)]
+                    self._read_exactly(position, chunk)
+                    crc = crc32c(chunk, crc)
+                    position += len(chunk)
+                footer = self.view[:FOOTER_BYTES]
+                self._read_exactly(end, footer)
+                if _mask(crc) != _CRC.unpack(footer)[0]:
+                    raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
+                data = None
+            count += 1
             yield offset, data
-            offset = end
+            offset += frame_bytes
+        if self.expected is not None and count != self.expected:
+            raise CorruptShardError(path, offset, f"holds {count} records, its name says {self.expected}: "
+                                                  "the shard was cut short")
+        if self.named_bytes is not None:
+            raise CorruptShardError(path, min(size, self.named_bytes),
+                                    f"has {size} bytes, its name says {self.named_bytes}")

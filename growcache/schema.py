@@ -1,8 +1,15 @@
-"""The schema of a cache: each feature's dtype and fixed shape.
+"""The schema of a cache: each feature's dtype, fixed shape and encoding.
 
-Every feature is stored as one raw little-endian ``bytes`` feature of a
-``tf.train.Example``, so ``tf.io.decode_raw`` or ``np.frombuffer`` restores it
-without going through Python lists.
+A feature's encoding says how it is stored in a ``tf.train.Example``:
+
+* ``"bytes"`` (the default): one raw little-endian ``bytes_list`` value, restored by
+  ``tf.io.decode_raw`` or ``np.frombuffer`` without going through Python lists; any dtype;
+* ``"int64_list"``: an ``int64_list`` of the array's values, what ``tf.train.Int64List``
+  writes and ``FixedLenFeature(shape, tf.int64)`` reads; any integer dtype (or bool),
+  range-checked on read;
+* ``"float_list"``: a ``float_list``, ``tf.train.FloatList``'s; float32 only;
+* ``"tensor"``: one ``bytes_list`` value holding ``tf.io.serialize_tensor`` output;
+  its dtype and shape must equal the schema's.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import numpy as np
 
 from .errors import SchemaError
 
-__all__ = ["FeatureSpec", "Schema"]
+__all__ = ["ENCODINGS", "FeatureSpec", "Schema"]
 
 # Dtypes that tf.io.decode_raw understands too, so both adapters read every schema.
 _SUPPORTED_DTYPES = frozenset(
@@ -24,14 +31,36 @@ _SUPPORTED_DTYPES = frozenset(
      "float16", "float32", "float64", "complex64", "complex128"]
 )
 
+#: Encodings a feature may name, the default first.
+ENCODINGS = ("bytes", "int64_list", "float_list", "tensor")
+_INTEGER_DTYPES = frozenset(["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"])
+
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """One feature: its name, dtype (little-endian) and fixed shape."""
+    """One feature: its name, dtype (little-endian), fixed shape and encoding.
+
+    Attributes:
+        name: the feature's key in each record.
+        dtype: the array's dtype, little-endian.
+        shape: the array's fixed shape.
+        encoding: how it is stored: one of :data:`ENCODINGS`. Default: ``"bytes"``.
+    """
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
+    encoding: str = "bytes"
+
+    @property
+    def size(self) -> int:
+        """Elements of one sample's array of this feature."""
+        return int(math.prod(self.shape))
+
+    def as_tuple(self) -> tuple:
+        """``(dtype name, shape)``, with the encoding appended unless it is the default."""
+        head = (self.dtype.name, self.shape)
+        return head if self.encoding == "bytes" else (*head, self.encoding)
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +74,8 @@ class Schema(Mapping[str, FeatureSpec]):
     Args:
         features: a mapping such as ``{"x": ("float32", (256, 256)), "label": ("int64", ())}``.
             Dtypes are anything ``numpy.dtype`` accepts; shapes are tuples of non-negative ints.
+            A third item names the encoding (see the module docstring), e.g.
+            ``{"label": ("int64", (), "int64_list")}``; default ``"bytes"``.
 
     Raises:
         SchemaError: a feature name, dtype or shape is invalid.
@@ -79,10 +110,11 @@ class Schema(Mapping[str, FeatureSpec]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(tuple((n, s.dtype.str, s.shape) for n, s in self._features.items()))
+        return hash(tuple((n, s.dtype.str, s.shape, s.encoding) for n, s in self._features.items()))
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{n!r}: ({s.dtype.name!r}, {s.shape})" for n, s in self._features.items())
+        """The Python expression that builds this schema (``growcache schema`` prints it)."""
+        inner = ", ".join(f"{n!r}: {s.as_tuple()!r}" for n, s in self._features.items())
         return f"Schema({{{inner}}})"
 
     @property
@@ -91,13 +123,18 @@ class Schema(Mapping[str, FeatureSpec]):
         return sum(spec.nbytes for spec in self._features.values())
 
     def to_dict(self) -> dict[str, list]:
-        """A JSON-ready form: ``{name: [dtype_name, [dims...]]}``."""
-        return {n: [s.dtype.name, list(s.shape)] for n, s in self._features.items()}
+        """A JSON-ready form: ``{name: [dtype_name, [dims...]]}``, plus the encoding unless ``"bytes"``."""
+        return {n: [s.dtype.name, list(s.shape), *s.as_tuple()[2:]] for n, s in self._features.items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schema:
         """Inverse of :meth:`to_dict`."""
-        return cls({name: (dtype, tuple(shape)) for name, (dtype, shape) in data.items()})
+        return cls({name: (value[0], tuple(value[1]), *value[2:]) for name, value in data.items()})
+
+    @property
+    def encodings(self) -> frozenset[str]:
+        """The encodings the features use."""
+        return frozenset(s.encoding for s in self._features.values())
 
     def validate(self, sample: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check ``sample`` against the schema and return its arrays, C-contiguous little-endian.
@@ -144,18 +181,36 @@ class Schema(Mapping[str, FeatureSpec]):
 def _parse_feature(name: Any, value: Any) -> FeatureSpec:
     if not isinstance(name, str) or not name:
         raise SchemaError(f"feature names must be non-empty strings, got {name!r}")
+    if isinstance(value, FeatureSpec):
+        value = value.as_tuple()
     try:
-        dtype_like, shape = value
+        if isinstance(value, (str, bytes)) or len(value) not in (2, 3):
+            raise ValueError(value)
+        dtype_like, shape, *rest = value
         dtype = np.dtype(dtype_like)
-        shape = tuple(int(d) for d in shape)
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     except (TypeError, ValueError) as exc:
         raise SchemaError(
-            f"feature {name!r}: expected (dtype, shape) such as ('float32', (256, 256)), got {value!r}"
+            f"feature {name!r}: expected (dtype, shape) or (dtype, shape, encoding) such as ('float32', (256, 256)) "
+            f"or ('int64', (), 'int64_list'), got {value!r}"
         ) from exc
+    encoding = rest[0] if rest else "bytes"
     if dtype.name not in _SUPPORTED_DTYPES:
         raise SchemaError(
             f"feature {name!r}: dtype {dtype} is not supported; use one of {sorted(_SUPPORTED_DTYPES)}"
         )
     if any(d < 0 for d in shape):
         raise SchemaError(f"feature {name!r}: shape {shape} has a negative dimension")
-    return FeatureSpec(name, dtype.newbyteorder("<"), shape)
+    if encoding not in ENCODINGS:
+        raise SchemaError(f"feature {name!r}: encoding {encoding!r} is unknown; use one of {list(ENCODINGS)}")
+    if encoding == "int64_list" and dtype.name not in _INTEGER_DTYPES:
+        raise SchemaError(
+            f"feature {name!r}: int64_list holds integers, but the dtype is {dtype.name}. Use an integer dtype "
+            "(values are range-checked on read), or float_list for float32."
+        )
+    if encoding == "float_list" and dtype.name != "float32":
+        raise SchemaError(
+            f"feature {name!r}: float_list holds float32 values, but the dtype is {dtype.name}. Use 'float32', "
+            "or the 'bytes' or 'tensor' encoding for other float dtypes."
+        )
+    return FeatureSpec(name, dtype.newbyteorder("<"), shape, encoding)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["ShardInfo", "ShardState"]
+__all__ = ["ShardInfo", "ShardListing", "ShardState", "scan_shards"]
 
 SHARD_SUFFIX = ".tfrecord"
 TMP_PREFIX = ".tmp-"
@@ -62,3 +62,54 @@ class ShardInfo:
     def file_name(seq: int, records: int, nbytes: int) -> str:
         """The file name a shard is published under."""
         return f"{seq:012d}-{records}r-{nbytes}b{SHARD_SUFFIX}"
+
+
+@dataclass
+class ShardListing:
+    """What a shard directory holds, by kind (see :func:`scan_shards`).
+
+    Attributes:
+        shards: published shards (regular files named like one), oldest first.
+        temporaries: names of regular ``.tmp-*`` files (shards being written, or abandoned).
+        foreign: paths of regular files that growcache did not write.
+        irregular: paths of entries that are not regular files: directories, symbolic links,
+            devices, sockets. Readers and eviction never touch them.
+    """
+
+    shards: list[ShardInfo] = field(default_factory=list)
+    temporaries: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    irregular: list[str] = field(default_factory=list)
+
+
+def scan_shards(shards_dir: str) -> ShardListing:
+    """List ``shards_dir`` without a lock and, on most filesystems, without a ``stat`` per entry.
+
+    Only regular files count as shards or temporaries: a directory or a symbolic link named
+    like a shard would otherwise reach readers (which fail on it, or read outside the cache)
+    and eviction (which cannot unlink a directory, and would stop every publish).
+    """
+    listing = ShardListing()
+    try:
+        entries = list(os.scandir(shards_dir))
+    except FileNotFoundError:
+        return listing
+    for entry in entries:
+        try:
+            regular = entry.is_file(follow_symlinks=False)
+        except OSError:  # removed between the listing and the check
+            continue
+        if not regular:
+            listing.irregular.append(entry.path)
+        elif entry.name.startswith(TMP_PREFIX):
+            listing.temporaries.append(entry.name)
+        else:
+            info = ShardInfo.from_path(entry.path)
+            if info is None:
+                listing.foreign.append(entry.path)
+            else:
+                listing.shards.append(info)
+    listing.shards.sort()
+    listing.foreign.sort()
+    listing.irregular.sort()
+    return listing

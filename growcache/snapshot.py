@@ -6,6 +6,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
+from . import _proc
 from .shard import ShardInfo
 
 __all__ = ["Snapshot"]
@@ -14,6 +15,7 @@ __all__ = ["Snapshot"]
 def _release(lease_path: str | None, owner_pid: int) -> None:
     # A forked child holds a copy of the object; only the process that took the lease ends it.
     if lease_path and os.getpid() == owner_pid:
+        _proc.let_go(lease_path)
         try:
             os.unlink(lease_path)
         except FileNotFoundError:

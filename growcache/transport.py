@@ -45,6 +45,13 @@ consumer process with :class:`multiprocessing.shared_memory.SharedMemory`, so a 
 killed by SIGKILL leaks nothing (it owns no name); the consumer unlinks them in
 :meth:`Slab.unlink` (called by its owner's finalizer), and Python's resource tracker
 unlinks them if the consumer itself is killed.
+
+A kill of the whole process group (``scancel``, ``docker kill``, an OOM kill of the
+cgroup) takes the resource tracker with the consumer. So a named slab carries its owner
+in its name, ``growcache-<pid>-<start time>-<machine tag>-<token>``, the same identity as
+a lease (see :mod:`growcache._proc`), and its heartbeat in its modification time; the next
+growcache process to create a slab, open a cache or prune one removes every growcache
+segment whose owner is dead (:func:`remove_dead_segments`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -60,9 +68,57 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BatchLayout", "Slab", "SlotHandle"]
+from . import _proc
+
+__all__ = ["BatchLayout", "Slab", "SlotHandle", "remove_dead_segments"]
 
 logger = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "growcache-"
+_SEGMENT_NAME = re.compile(r"^growcache-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+_SHM_DIR = "/dev/shm"
+
+
+def segment_name() -> str:
+    """A new name for a shared-memory segment that says which process of which machine owns it."""
+    pid, start = _proc.this_process()
+    return f"{SEGMENT_PREFIX}{pid}-{start or 0}-{_proc.this_host()}-{os.urandom(6).hex()}"
+
+
+def remove_dead_segments(shm_dir: str = _SHM_DIR) -> list[str]:
+    """Remove growcache's shared-memory segments whose owner is dead; return their names.
+
+    Owners are judged as leases are (:func:`growcache._proc.is_alive`): on this machine by
+    their pid and start time, otherwise by the segment's heartbeat. Segments of other
+    programs, and of ``multiprocessing`` or torch under random names, are never touched.
+    """
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:  # no /dev/shm on this platform
+        return []
+    removed = []
+    for entry in entries:
+        match = _SEGMENT_NAME.match(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            heartbeat = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        pid, start, host = int(match[1]), int(match[2]) or None, match[3]
+        if _proc.is_alive(pid, start, host, heartbeat):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except OSError:
+            pass
+    if removed:
+        logger.info("removed %d shared-memory segments of dead growcache processes: %s", len(removed),
+                    ", ".join(removed))
+    return removed
 
 PAGE = mmap.PAGESIZE
 _ALIGN = 64  # cache line: every feature's array starts aligned
@@ -179,9 +235,11 @@ class Slab:
             self._map: Any = mmap.mmap(-1, self.nbytes, flags=flags)
             self.name = None
         else:
-            self._shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
+            remove_dead_segments()  # a loader starts: what killed process groups left goes now
+            self._shm = shared_memory.SharedMemory(name=segment_name(), create=True, size=self.nbytes)
             self._map = self._shm.buf
             self.name = self._shm.name
+            _proc.keep_alive(os.path.join(_SHM_DIR, self.name))
         self._attach()
         self.prefault()
         self._counter = 0
@@ -339,6 +397,7 @@ class Slab:
         """Remove a named slab's name (the memory lives on while mapped); idempotent."""
         if self._shm is not None and not self._unlinked and os.getpid() == self._owner_pid:
             self._unlinked = True
+            _proc.let_go(os.path.join(_SHM_DIR, self.name))
             try:
                 self._shm.unlink()
             except FileNotFoundError:

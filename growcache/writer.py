@@ -6,18 +6,16 @@ import errno
 import logging
 import os
 from collections.abc import Callable, Container, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import _proc
 from .errors import CacheFullError, SchemaError
 from .example import ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header, frame_pieces
-from .shard import SHARD_SUFFIX, TMP_PREFIX, ShardInfo
+from .schema import Schema
+from .shard import SHARD_SUFFIX, TMP_PREFIX, ShardInfo, scan_shards
 
-if TYPE_CHECKING:
-    from .cache import Cache
-
-__all__ = ["ShardWriter"]
+__all__ = ["Publish", "ShardWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,40 +52,62 @@ def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
 def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None = None) -> list[str]:
     """Delete the temporary shards whose writer is gone; return their names.
 
-    A writer is judged by the pid, start time and machine its temporary's name carries,
-    so a recycled pid never costs a live writer its shard.
+    A writer on this machine is judged by the pid and start time its temporary's name
+    carries, so a recycled pid never costs a live writer its shard; a writer on another
+    machine (or under an earlier hostname) by the temporary's heartbeat (its modification
+    time, see :mod:`growcache._proc`). Only regular files are ever removed.
 
     Args:
         shards_dir: the cache's shard directory.
         owners: only temporaries written by these pids (a pool cleaning up after its own
             workers). Default: ``None``, any writer's.
     """
-    try:
-        names = os.listdir(shards_dir)
-    except FileNotFoundError:
-        return []
     removed = []
-    for name in names:
+    for name in scan_shards(shards_dir).temporaries:
         owner = temp_owner(name)
-        if owner is None or (owners is not None and owner[0] not in owners) or _proc.is_alive(*owner):
+        if owner is None or (owners is not None and owner[0] not in owners):
+            continue
+        path = os.path.join(shards_dir, name)
+        try:
+            heartbeat = os.lstat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if _proc.is_alive(*owner, heartbeat):
             continue
         try:
-            os.unlink(os.path.join(shards_dir, name))
+            os.unlink(path)
             removed.append(name)
         except FileNotFoundError:
             pass
     return removed
 
 
+class Publish(Protocol):
+    """Publishes a finished temporary shard (``Cache`` gives its writers one).
+
+    Called with the temporary's path, its records and bytes, and keywords ``timeout``
+    (seconds to wait for room, ``None``: no limit) and ``should_stop``; returns the
+    published shard, or raises (the caller then removes the temporary).
+    """
+
+    def __call__(self, tmp_path: str, records: int, nbytes: int, *, timeout: float | None,
+                 should_stop: Callable[[], bool] | None) -> ShardInfo: ...
+
+
 class ShardWriter:
     """Writes samples as TFRecord-framed ``tf.train.Example`` records into one new shard.
 
     Records go to a temporary file in the cache's shard directory; :meth:`close` fsyncs
-    it and publishes it with ``os.replace``, so no reader ever sees a partial shard.
-    Get one from :meth:`Cache.writer`.
+    it and hands it to ``publish``, which renames it into place with ``os.replace``, so no
+    reader ever sees a partial shard. Get one from :meth:`Cache.writer`.
 
     Args:
-        cache: the cache to publish into.
+        schema: the features of every record.
+        shards_dir: the directory of the temporary file (the cache's shard directory).
+        publish: publishes the finished temporary (see :class:`Publish`).
+        max_bytes: the largest shard allowed (the cache's capacity); a larger one is a
+            :class:`CacheFullError` as soon as it grows past it.
+        file_mode: permission bits of the temporary file. Default: ``0o600``.
         publish_timeout: seconds :meth:`close` may wait for leases to free room in the
             budget; ``None`` waits as long as it takes. Default: ``None``.
         should_stop: called while waiting for room; returning ``True`` abandons the wait
@@ -97,28 +117,34 @@ class ShardWriter:
 
     def __init__(
         self,
-        cache: Cache,
+        schema: Schema,
+        shards_dir: str,
+        publish: Publish,
         *,
+        max_bytes: int,
+        file_mode: int = 0o600,
         publish_timeout: float | None = None,
         should_stop: Callable[[], bool] | None = None,
         durable: bool = True,
     ) -> None:
-        if cache.schema is None:
-            raise SchemaError(
-                f"cache {cache.path} has no schema, so records cannot be written: open it with "
-                "Cache(path, schema=Schema({...}))"
-            )
-        self.cache = cache
-        self.schema = cache.schema
-        self.codec = ExampleCodec(cache.schema)
+        if not isinstance(schema, Schema):
+            raise SchemaError(f"ShardWriter needs a Schema, got {type(schema).__name__}: get one from cache.writer()")
+        self.schema = schema
+        self.codec = ExampleCodec(schema)
+        self.max_bytes = max_bytes
         self.publish_timeout = publish_timeout
         self.should_stop = should_stop
         self.durable = durable
         self.records = 0
         self.nbytes = 0
-        self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
+        self._publish = publish
+        self._cache_path = os.path.dirname(os.path.abspath(shards_dir))  # for messages
+        self.path = os.path.join(shards_dir, temp_shard_name(os.urandom(6).hex()))
         self._owner_pid = os.getpid()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache.file_mode)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode)
+        # Another machine judges this temporary by its heartbeat; a slow sampler may not
+        # write to it for longer than the expiry.
+        _proc.keep_alive(self.path)
         self._stage: memoryview | None = None  # allocated on the first small record
         self._staged = 0
         # Every record of a schema has the same length, so its frame header and the Example
@@ -182,11 +208,11 @@ class ShardWriter:
     def _append_frame(self, pieces: list[Any], frame: int) -> None:
         if self._fd is None:
             raise ValueError(f"ShardWriter for {self.path} is closed; get a new one from cache.writer()")
-        if self.nbytes + frame > self.cache.capacity:
+        if self.nbytes + frame > self.max_bytes:
             self.abort()
             raise CacheFullError(
                 f"shard {self.path} would grow to {self.nbytes + frame} bytes, more than the cache's whole "
-                f"capacity of {self.cache.capacity} bytes. Raise the capacity or write smaller shards "
+                f"capacity of {self.max_bytes} bytes. Raise the capacity or write smaller shards "
                 "(lower shard_size)."
             )
         if frame >= _DIRECT_FRAME_BYTES:
@@ -229,7 +255,7 @@ class ShardWriter:
                     buffers = [memoryview(buffers[done]).cast("B")[written:], *buffers[done + 1:]]
         except OSError as exc:
             self.abort()
-            raise_if_disk_full(exc, self.cache.path, f"writing {self.path}; the partial shard was removed")
+            raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
             raise
 
     def close(self) -> ShardInfo | None:
@@ -251,17 +277,19 @@ class ShardWriter:
                 os.fsync(self._fd)  # a filesystem that allocates late reports a full disk here
             except OSError as exc:
                 self.abort()
-                raise_if_disk_full(exc, self.cache.path, f"writing {self.path}; the partial shard was removed")
+                raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
                 raise
         os.close(self._fd)
         self._fd = None
         try:
-            return self.cache._publish(
+            return self._publish(
                 self.path, self.records, self.nbytes, timeout=self.publish_timeout, should_stop=self.should_stop
             )
         except BaseException:
             _unlink_quiet(self.path)
             raise
+        finally:
+            _proc.let_go(self.path)
 
     def abort(self) -> None:
         """Discard the shard and its temporary file; idempotent."""
@@ -272,6 +300,7 @@ class ShardWriter:
                 pass
             self._fd = None
         self._stage, self._staged = None, 0
+        _proc.let_go(self.path)
         _unlink_quiet(self.path)
 
 

@@ -285,8 +285,9 @@ def test_a_damaged_lease_expires_instead_of_pinning_or_blocking(tmp_path, lease,
     assert "1-damaged.json is damaged" in caplog.text
 
 
-def test_a_lease_taken_on_another_machine_is_never_judged_by_this_ones_processes(tmp_path, caplog):
-    # On a filesystem several machines share, a remote holder's pid means nothing here.
+def test_another_machines_lease_lives_while_its_heartbeat_does(tmp_path, caplog):
+    # On a filesystem several machines share, a remote holder's pid means nothing here: its
+    # lease lives while its heartbeat (the file's mtime) is younger than the expiry.
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
     lease_path = os.path.join(cache.path, "leases", "999999-remote.json")
@@ -294,20 +295,26 @@ def test_a_lease_taken_on_another_machine_is_never_judged_by_this_ones_processes
         json.dump({"pid": 999999, "start_time": 1, "host": "0ther0ne", "seqs": [1, 2], "holder": "remote"}, f)
     write_shards(cache, [10], first_id=100)
     assert [s.seq for s in cache.list_shards()] == [1, 2, 3], "the remote lease keeps its shards"
-    assert os.path.exists(lease_path) and "taken on another machine" in caplog.text
-    os.unlink(lease_path)  # what the warning tells the user to do once that trainer is gone
+    assert os.path.exists(lease_path)
+    stale = time.time() - _proc.owner_expiry() - 5
+    os.utime(lease_path, (stale, stale))  # its holder stopped beating: a crashed remote trainer
     write_shards(cache, [10], first_id=200)
     assert [s.seq for s in cache.list_shards()] == [3, 4]
+    assert not os.path.exists(lease_path) and "no heartbeat" in caplog.text
 
 
-def test_a_temporary_of_another_machine_is_kept_and_a_dead_local_one_removed(id_cache):
+def test_a_temporary_of_another_machine_is_kept_while_it_beats_and_a_dead_local_one_removed(id_cache):
     remote = os.path.join(id_cache.shards_dir, ".tmp-999999-1-0ther0ne-abcdef.tfrecord")
+    stale_remote = os.path.join(id_cache.shards_dir, ".tmp-999998-1-0ther0ne-abcdef.tfrecord")
     local = os.path.join(id_cache.shards_dir, f".tmp-999999-1-{_proc.this_host()}-abcdef.tfrecord")
     older = os.path.join(id_cache.shards_dir, ".tmp-999999-1-abcdef.tfrecord")  # before the host tag
-    for path in (remote, local, older):
+    for path in (remote, stale_remote, local, older):
         open(path, "wb").close()
+    stale = time.time() - _proc.owner_expiry() - 5
+    os.utime(stale_remote, (stale, stale))
     id_cache.prune()
-    assert os.path.exists(remote) and not os.path.exists(local) and not os.path.exists(older)
+    assert os.path.exists(remote)
+    assert not any(os.path.exists(p) for p in (stale_remote, local, older))
 
 
 def test_a_lost_state_file_never_lets_a_publish_replace_a_shard(id_cache):

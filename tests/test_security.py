@@ -220,12 +220,6 @@ def _plant_metadata(cache: Cache, evil: bytes) -> None:
     Cache(cache.path)
 
 
-def _plant_state(cache: Cache, evil: bytes) -> None:
-    with open(os.path.join(cache.path, "state.json"), "wb") as f:
-        f.write(evil)
-    cache.stats()
-
-
 def _plant_shard(cache: Cache, evil: bytes) -> None:
     path = os.path.join(cache.shards_dir, ShardInfo.file_name(99, 1, len(evil)))
     with open(path, "wb") as f:
@@ -245,10 +239,9 @@ def _plant_added_shard(cache: Cache, evil: bytes) -> None:
 
 @pytest.mark.parametrize("plant, error, fragment", [
     (_plant_metadata, CacheFormatError, "growcache.json is not valid JSON"),
-    (_plant_state, CacheFormatError, "state.json is not valid JSON"),
     (_plant_shard, CorruptShardError, "000000000099-1r-"),
     (_plant_added_shard, CorruptShardError, "evil.tfrecord"),
-], ids=["metadata", "state", "shard", "added-shard"])
+], ids=["metadata", "shard", "added-shard"])
 def test_planted_pickles_are_refused_never_unpickled(tmp_path, plant, error, fragment):
     cache = Cache(tmp_path / "cache", schema=ID_SCHEMA)
     write_shards(cache, [3])
@@ -257,6 +250,20 @@ def test_planted_pickles_are_refused_never_unpickled(tmp_path, plant, error, fra
     assert b"mkdir" in evil
     with pytest.raises(error, match=fragment):
         plant(cache, evil)
+    assert not os.path.exists(marker), "a planted pickle was executed"
+
+
+def test_planted_pickle_state_is_rebuilt_without_being_unpickled(tmp_path, caplog):
+    # The counters can be derived from the shards present: a damaged state file is rebuilt.
+    cache = Cache(tmp_path / "cache", schema=ID_SCHEMA)
+    write_shards(cache, [3, 2])
+    marker = str(tmp_path / "unpickled")
+    with open(os.path.join(cache.path, "state.json"), "wb") as f:
+        f.write(pickle.dumps(_Payload(marker)))
+    with caplog.at_level("WARNING", logger="growcache"):
+        stats = cache.stats()
+    assert "state.json is not valid JSON" in caplog.text and "rebuilt" in caplog.text
+    assert (stats.published, stats.shards) == (2, 2)
     assert not os.path.exists(marker), "a planted pickle was executed"
 
 

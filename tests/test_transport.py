@@ -17,8 +17,8 @@ LAYOUT = BatchLayout.build([("id", "int64", ()), ("x", "float32", (3, 5))], batc
 
 def _shm_names() -> set[str]:
     try:
-        # SharedMemory segments only (multiprocessing's own semaphores live there too)
-        return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+        # growcache's segments only (multiprocessing's own semaphores live there too)
+        return {n for n in os.listdir("/dev/shm") if n.startswith("growcache-")}
     except FileNotFoundError:
         return set()
 
