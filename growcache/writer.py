@@ -189,6 +189,9 @@ class ShardWriter:
                 disk is full. The temporary file is removed; the cache is untouched.
         """
         arrays = self.schema.validate(sample)
+        if not self.codec.fixed_layout:  # int64_list payloads vary in length with their values
+            self._append_frame(*frame_pieces(self.codec.encode_pieces(arrays)))
+            return
         pieces = [self._record_head]
         crc = self._record_head_crc
         for name, next_prefix in self._payload_then_prefix:

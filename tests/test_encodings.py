@@ -284,3 +284,21 @@ def test_tf_parse_plan_names_the_native_parse_of_each_encoding():
     assert (plan["f"].parse_dtype, plan["f"].parse_shape, plan["f"].then) == ("float32", (4,), "none")
     assert (plan["t"].parse_dtype, plan["t"].then, plan["t"].dtype, plan["t"].shape) == \
         ("string", "parse_tensor", "int16", (2, 2))
+
+
+def test_shard_writer_writes_int64_list_records_of_varying_length(tmp_path):
+    from growcache import Cache
+    from growcache.records import iter_records
+
+    schema = Schema({"label": ("int64", (), "int64_list"), "x": ("float32", (2,))})
+    cache = Cache(tmp_path / "c", capacity="1MB", schema=schema)
+    labels = [0, 127, 128, -1, 2**40]
+    with cache.writer() as writer:
+        for label in labels:
+            writer.write({"label": np.int64(label), "x": np.full(2, label, np.float32)})
+    codec = ExampleCodec(schema)
+    (shard,) = cache.list_shards()
+    decoded = [codec.decode(record) for _, record in iter_records(shard.path)]
+    assert [int(d["label"]) for d in decoded] == labels
+    assert shard.nbytes == sum(16 + len(codec.encode({"label": np.int64(v), "x": np.zeros(2, np.float32)}))
+                               for v in labels)
