@@ -15,44 +15,52 @@ from conftest import ID_SCHEMA, id_sample
 
 RECORDS_PER_SHARD = 5
 WRITERS = 3
-DURATION = 3.0
+# Every process works until all have done their minimum (writers: shards published; then the
+# evictor's rounds; then the snapshotter's snapshots), so that each overlaps all the others by
+# at least that much work however slowly any of them starts: counts, not seconds.
+MINIMUM = (8,) * WRITERS + (20, 10)
+EVICTOR, SNAPSHOTTER = WRITERS, WRITERS + 1
+
+
+def _racing(progress, stop) -> bool:
+    return not stop.is_set() and any(progress[i] < n for i, n in enumerate(MINIMUM))
 
 
 def _shard_bytes() -> int:
     return RECORDS_PER_SHARD * (ExampleCodec(ID_SCHEMA).record_nbytes + 16)
 
 
-def _writer(path: str, index: int, results) -> None:
+def _writer(path: str, index: int, results, progress, stop) -> None:
     cache = Cache(path)
-    deadline = time.monotonic() + DURATION
     published = 0
-    while time.monotonic() < deadline:
+    while _racing(progress, stop):
         with cache.writer() as writer:
             for i in range(RECORDS_PER_SHARD):
                 writer.write(id_sample(index * 1_000_000 + published * RECORDS_PER_SHARD + i))
         published += 1
+        progress[index] = published
     results.put(("writer", published))
 
 
-def _evictor(path: str, results) -> None:
+def _evictor(path: str, results, progress, stop) -> None:
     cache = Cache(path)
-    deadline = time.monotonic() + DURATION
     rounds = 0
-    while time.monotonic() < deadline:
+    while _racing(progress, stop):
         cache.evict(to=cache.capacity // 2)
         rounds += 1
+        progress[EVICTOR] = rounds
     results.put(("evictor", rounds))
 
 
-def _snapshotter(path: str, results) -> None:
+def _snapshotter(path: str, results, progress, stop) -> None:
     cache = Cache(path)
     codec = ExampleCodec(ID_SCHEMA)
-    deadline = time.monotonic() + DURATION
     problems: list[str] = []
     snapshots = max_overshoot = 0
-    while time.monotonic() < deadline:
+    while _racing(progress, stop):
         with cache.snapshot() as snapshot:
             snapshots += 1
+            progress[SNAPSHOTTER] = snapshots
             time.sleep(0.01)  # let evictions and publishes race the lease
             for shard in snapshot:
                 if not os.path.exists(shard.path):
@@ -82,20 +90,25 @@ def test_writers_evictor_and_snapshotter_race_safely(tmp_path):
     Cache(path, capacity=_shard_bytes() * 8, schema=ID_SCHEMA)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(path, i, results)) for i in range(WRITERS)]
-    procs += [ctx.Process(target=_evictor, args=(path, results)), ctx.Process(target=_snapshotter, args=(path, results))]
+    progress, stop = ctx.Array("i", len(MINIMUM), lock=False), ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(path, i, results, progress, stop)) for i in range(WRITERS)]
+    procs += [ctx.Process(target=target, args=(path, results, progress, stop)) for target in (_evictor, _snapshotter)]
     for p in procs:
         p.start()
     outcome: dict[str, list] = {}
-    for _ in procs:
-        kind, value = results.get(timeout=120)
-        outcome.setdefault(kind, []).append(value)
+    try:
+        for _ in procs:
+            kind, value = results.get(timeout=120)
+            outcome.setdefault(kind, []).append(value)
+    finally:
+        stop.set()  # a process that died must not leave the others racing forever
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
     snapshots, max_overshoot, problems = outcome["snapshotter"][0]
     assert problems == []
-    assert snapshots > 5 and sum(outcome["writer"]) > 10 and outcome["evictor"][0] > 5
+    assert len(outcome["writer"]) == WRITERS and min(outcome["writer"]) >= MINIMUM[0]
+    assert outcome["evictor"][0] >= MINIMUM[EVICTOR] and snapshots >= MINIMUM[SNAPSHOTTER]
     assert max_overshoot <= 0
     cache = Cache(path)
     cache.snapshot().close()  # an epoch start trims what was published under the last lease
@@ -105,3 +118,4 @@ def test_writers_evictor_and_snapshotter_race_safely(tmp_path):
     stats = cache.stats()
     assert stats.published == sum(outcome["writer"])
     assert stats.published - stats.evicted == stats.shards
+    assert stats.evicted > 0, "evictions raced the writers and the snapshots"
