@@ -18,7 +18,7 @@ import crc32c as _crc32c
 from .errors import CorruptShardError
 from .shard import ShardInfo
 
-__all__ = ["check_records", "frame_footer", "frame_header", "iter_records", "masked_crc32c", "unmask_crc32c"]
+__all__ = ["check_records", "count_checked", "frame_footer", "frame_header", "iter_records", "masked_crc32c", "unmask_crc32c"]
 
 _MASK_DELTA = 0xA282EAD8
 HEADER_BYTES = 12
@@ -123,6 +123,28 @@ def check_records(path: str | os.PathLike, *, expected: int | None = None) -> in
         for _ in reader.frames(verify=True, whole=False):
             count += 1
         return count
+
+
+def count_checked(path: str | os.PathLike, frames: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """Pass on another reader's ``(offset, record)`` frames of ``path``, checking their count.
+
+    For readers that frame records without :func:`iter_records` (the ``tfrecord``
+    package's, say): a file named like a published shard that yields fewer or more records
+    than its name states raises :class:`CorruptShardError`, like :func:`iter_records`.
+    """
+    named = ShardInfo.from_path(os.fspath(path))
+    if named is None:
+        yield from frames
+        return
+    count = 0
+    for offset, record in frames:
+        if count >= named.records:
+            raise CorruptShardError(path, offset, f"holds more records than the {named.records} its name says")
+        count += 1
+        yield offset, record
+    if count != named.records:
+        raise CorruptShardError(path, os.path.getsize(path), f"holds {count} records, its name says "
+                                                             f"{named.records}: the shard was cut short")
 
 
 class _FrameReader:

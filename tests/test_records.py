@@ -11,7 +11,17 @@ from hypothesis import strategies as st
 
 from growcache import CorruptShardError, Schema, SchemaError
 from growcache.example import ExampleCodec
-from growcache.records import frame_pieces, iter_records, masked_crc32c, unmask_crc32c
+from growcache.records import (
+    check_records,
+    count_checked,
+    crc32c,
+    frame_header,
+    frame_pieces,
+    iter_records,
+    masked_crc32c,
+    unmask_crc32c,
+)
+from growcache.shard import ShardInfo
 
 from conftest import ID_SCHEMA, id_sample, write_shards
 
@@ -24,10 +34,29 @@ def _write_frames(path, records):
                 f.write(buffer)
 
 
-def test_masked_crc_matches_tensorflow_reference_value():
-    # TensorFlow's masked CRC32C of b"" (from its own test vectors: crc32c("") == 0).
-    assert unmask_crc32c(masked_crc32c(b"abc")) == 0x364B3FB7
-    assert masked_crc32c(b"") == 0xA282EAD8
+# Independent references. CRC32C's standard check value (RFC 3720 B.4; every CRC catalogue):
+# crc32c(b"123456789") == 0xE3069283. The masked values were computed by TensorFlow 2.21
+# (tf.io.TFRecordWriter; the 4 bytes after each record's data, and the 4 after its length),
+# so a wrong mask rotation or delta fails here even where the TF tests cannot run.
+TF_MASKED_DATA_CRC = {
+    b"": 0xA282EAD8,
+    b"a": 0x28E46E78,
+    b"123456789": 0xC78AB0E5,
+    b"growcache": 0x95ACA9BF,
+    bytes(range(256)): 0xD31A2360,
+}
+TF_MASKED_LENGTH_CRC = {0: 0x07980329, 1: 0x41DE7501, 9: 0x3971F937, 256: 0xDF08B32F}
+
+
+def test_crc32c_check_value_and_masked_crcs_match_tensorflow():
+    assert crc32c(b"123456789") == 0xE3069283
+    for data, masked in TF_MASKED_DATA_CRC.items():
+        assert masked_crc32c(data) == masked, data[:12]
+        assert unmask_crc32c(masked) == crc32c(data)
+        buffers, _ = frame_pieces([data])
+        assert bytes(buffers[-1]) == masked.to_bytes(4, "little")
+    for length, masked in TF_MASKED_LENGTH_CRC.items():
+        assert frame_header(length)[8:] == masked.to_bytes(4, "little")
 
 
 def test_frames_round_trip_across_buffer_boundaries(tmp_path):
@@ -106,27 +135,97 @@ def test_unverified_read_still_catches_misframing(id_cache):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzz_reader_returns_correct_records_or_raises(tmp_path, data):
+def test_fuzz_every_changed_shard_raises_and_yields_only_intact_records(tmp_path, data):
     codec = ExampleCodec(ID_SCHEMA)
     records = [codec.encode(id_sample(i)) for i in range(6)]
-    blob = bytearray()
+    original = bytearray()
     for record in records:
         buffers, _ = frame_pieces([record])
-        blob += b"".join(bytes(b) for b in buffers)
-    mutation = data.draw(st.sampled_from(["flip", "truncate", "both"]))
+        original += b"".join(bytes(b) for b in buffers)
+    blob = bytearray(original)
+    mutation = data.draw(st.sampled_from(["flip", "truncate", "both", "append"]))
     if mutation in ("flip", "both"):
         for _ in range(data.draw(st.integers(1, 3))):
             index = data.draw(st.integers(0, len(blob) - 1))
             blob[index] ^= 1 << data.draw(st.integers(0, 7))
     if mutation in ("truncate", "both"):
         del blob[data.draw(st.integers(0, len(blob))):]
-    path = tmp_path / "fuzz.tfrecord"
+    if mutation == "append":  # a whole well-framed record too many, or stray bytes
+        blob += data.draw(st.sampled_from([original[: len(original) // 6], b"\0", bytes(20)]))
+    # Named as the shard it was: its name states 6 records and the original size.
+    path = tmp_path / ShardInfo.file_name(1, len(records), len(original))
     path.write_bytes(blob)
+    for read in (lambda: [bytes(v) for _, v in iter_records(path)], lambda: check_records(path)):
+        got = []
+        try:
+            got = read()
+        except CorruptShardError as exc:
+            assert exc.path == str(path)
+            raised = True
+        else:
+            raised = False
+        # Any change of the bytes is an error (a cut at a record boundary included); an
+        # unchanged file (two flips of one bit) reads whole.
+        assert raised == (blob != original), (mutation, len(blob), len(original))
+        if isinstance(got, list):
+            assert got == records[: len(got)]
+    # Whatever came out before an error is exactly the original records, in order.
     got = []
     try:
         for _, view in iter_records(path):
             got.append(bytes(view))
     except CorruptShardError:
         pass
-    # Whatever came out before an error must be exactly the original records, in order.
     assert got == records[: len(got)]
+
+
+@pytest.mark.parametrize("change", ["cut at a record boundary", "one record appended"])
+def test_a_shard_whose_record_count_differs_from_its_name_is_corrupt(id_cache, change):
+    write_shards(id_cache, [8])
+    shard = id_cache.list_shards()[0]
+    frame = shard.nbytes // 8
+    if change == "cut at a record boundary":
+        os.truncate(shard.path, 7 * frame)  # 7 whole, well-framed records: framing alone sees nothing wrong
+        fragment, offset = "holds 7 records, its name says 8", 7 * frame
+    else:
+        with open(shard.path, "ab") as f:
+            f.write(open(shard.path, "rb").read(frame))
+        fragment, offset = "more records than the 8", 8 * frame
+    unnamed = os.path.join(os.path.dirname(id_cache.path), "unnamed.tfrecord")  # framing without a count check
+    with open(unnamed, "wb") as f:
+        f.write(open(shard.path, "rb").read())
+    assert len(list(iter_records(unnamed))) == (7 if change == "cut at a record boundary" else 9)
+    for read in (lambda: list(iter_records(shard.path)), lambda: check_records(shard.path),
+                 lambda: list(count_checked(shard.path, iter_records(unnamed)))):
+        with pytest.raises(CorruptShardError, match=fragment) as info:
+            read()
+        assert info.value.path == shard.path
+    with pytest.raises(CorruptShardError) as info:
+        list(iter_records(shard.path))
+    assert info.value.offset == offset
+    report = id_cache.verify()
+    assert [c.path for c in report.corrupt] == [shard.path] and fragment in report.corrupt[0].reason
+
+
+def test_count_checked_catches_another_readers_short_shard(id_cache):
+    # A reader with its own framing (the tfrecord package's) gets the same count check.
+    write_shards(id_cache, [4])
+    shard = id_cache.list_shards()[0]
+    frames = [(i, b"") for i in range(3)]
+    with pytest.raises(CorruptShardError, match="holds 3 records, its name says 4"):
+        list(count_checked(shard.path, frames))
+    assert len(list(count_checked(shard.path, [(i, b"") for i in range(4)]))) == 4
+    assert len(list(count_checked("/elsewhere/any.tfrecord", frames))) == 3  # not a shard name: no count
+
+
+def test_a_length_past_the_files_end_is_refused_before_any_allocation(tmp_path):
+    # 112 bytes whose first length field has a valid CRC and claims 2**40 bytes.
+    path = tmp_path / ShardInfo.file_name(1, 1, 112)
+    path.write_bytes(frame_header(2**40) + bytes(100))
+    for read in (lambda: list(iter_records(path)), lambda: check_records(path)):
+        with pytest.raises(CorruptShardError, match="truncated record: needs 1099511627792 bytes") as info:
+            read()
+        assert info.value.offset == 0 and info.value.path == str(path)
+    with pytest.raises(CorruptShardError, match="more than the 100 bytes"):
+        _write_frames(tmp_path / "big.tfrecord", [bytes(101)])
+        list(iter_records(tmp_path / "big.tfrecord", max_record_bytes=100))
