@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -81,16 +82,19 @@ class CopyEngine(Protocol):
 class _Retirement:
     """Shared by every guard of one batch: when the last guard dies, the batch is retired."""
 
-    __slots__ = ("_keep", "_retired")
+    __slots__ = ("_keep", "_queue")
 
-    def __init__(self, keep: Any, retired: collections.deque) -> None:
+    def __init__(self, keep: Any, queue: ReleaseQueue) -> None:
         self._keep = keep
-        self._retired = retired
+        self._queue = weakref.ref(queue)
 
     def __del__(self) -> None:
-        # Garbage collection may run this in any thread at any point: a deque append is
-        # atomic and allocates nothing that could re-enter the caller.
-        self._retired.append(self._keep)
+        queue = self._queue()
+        # After close (or with the queue gone) the memory is no longer page-locked, so no
+        # copy from it can still be in flight: dropping `keep` frees it now. Garbage
+        # collection may run this in any thread: a deque append is atomic.
+        if queue is not None and not queue.closed:
+            queue._retired.append(self._keep)
 
 
 class _Guard:
@@ -125,6 +129,7 @@ class ReleaseQueue:
         self.limit = int(limit)
         self._pending: collections.deque[tuple[CompletionEvent, Any]] = collections.deque()
         self._retired: collections.deque[Any] = collections.deque()
+        self.closed = False
 
     @property
     def pending(self) -> int:
@@ -159,7 +164,7 @@ class ReleaseQueue:
             arrays: host arrays inside the memory that ``keep`` keeps alive.
             keep: the object whose lifetime is the memory's (the slot's views).
         """
-        retirement = _Retirement(keep, self._retired)
+        retirement = _Retirement(keep, self)
         return {name: np.asarray(_Guard(a, retirement)).view(a.dtype).reshape(a.shape)
                 for name, a in arrays.items()}
 
@@ -206,6 +211,17 @@ class ReleaseQueue:
             event, _ = self._pending[0]
             event.synchronize()
             self._pending.popleft()
+
+
+    def close(self, make_event: Callable[[], CompletionEvent] | None = None) -> None:
+        """:meth:`drain`, then free each guarded batch as soon as the consumer drops it.
+
+        Call it when the memory stops being page-locked: from then on a copy from it is
+        synchronous, so none can be in flight when the consumer lets go.
+        """
+        self.drain(make_event)
+        self.closed = True
+        self._retired.clear()
 
 
 def deliver(host_batches: Iterable[Any], engine: CopyEngine, release: ReleaseQueue) -> Iterator[Any]:

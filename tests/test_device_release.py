@@ -164,6 +164,24 @@ def test_drain_waits_for_every_event():
     assert [e.waits for e in events] == [1, 1, 1] and release.pending == 0
 
 
+def test_close_fences_what_was_let_go_then_frees_the_rest_on_release():
+    slab = Slab(LAYOUT, slots=2)
+    release = ReleaseQueue()
+    batches = []
+    for first in (0, 4):
+        views = slab.open(_fill(slab, first))
+        batches.append(release.guard(views, views))
+        del views
+    del batches[0]
+    gc.collect()
+    closing = Event()
+    release.close(lambda: closing)
+    assert closing.waits == 1 and _free_slots(slab) == 1  # the batch let go before close
+    del batches[0]  # after close no copy can be in flight: freed at once
+    gc.collect()
+    assert release.retired == 0 and _free_slots(slab) == 2
+
+
 # ------------------------------------------------------------------- the copy pipeline
 class LateCopyEvent(Event):
     """Completes the copy it stands for only when asked twice, or waited for: a DMA that
