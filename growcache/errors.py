@@ -11,6 +11,7 @@ __all__ = [
     "CacheFormatError",
     "CacheFullError",
     "CorruptShardError",
+    "DeviceError",
     "EmptyCacheError",
     "GrowcacheError",
     "MissingExtraError",
@@ -90,3 +91,7 @@ class RefusedFileError(GrowcacheError, ValueError):
     """A file cannot be taken into a cache: it is not a regular file (a directory, a device,
     a FIFO or a socket), or it is a shard that a lease still holds, or one of this cache."""
 
+
+class DeviceError(GrowcacheError, RuntimeError):
+    """A device that was asked for cannot be used: no CUDA in this torch build or on this
+    machine, or no device with that index."""
