@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -123,4 +127,10 @@ def test_target_batches_sets_every_ranks_count(drop_last):
 def test_reader_seeds_accept_any_integer_seed_and_differ_per_reader():
     seeds = {reader_seed(seed, 3, reader) for seed in (-1, 0, 12345) for reader in range(4)}
     assert len(seeds) == 12
-    assert reader_seed(-1, 3, 0) == reader_seed(-1, 3, 0)
+    assert all(isinstance(s, int) and 0 <= s < 2**62 for s in seeds), "a valid numpy seed for every reader"
+    # Every DataLoader worker and rank computes its seed in its own process: a fresh interpreter
+    # (another hash seed, nothing imported before) must get the same values.
+    script = "from growcache.planning import reader_seed; print(reader_seed(-1, 3, 0), reader_seed(2**70, 3, 1))"
+    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "random"}).stdout.split()
+    assert [int(v) for v in fresh] == [reader_seed(-1, 3, 0), reader_seed(2**70, 3, 1)]
