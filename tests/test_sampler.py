@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import time
@@ -16,7 +17,8 @@ from growcache.eviction import choose_evictions_fifo
 from growcache.errors import CacheFullError, SamplerError, SchemaError, SourceError, TransientSourceError
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
-from growcache.sampler import SamplerPool, _parse_storage_options, worker_rng
+from growcache.cli import parse_storage_options
+from growcache.sampler import SamplerPool, worker_rng
 from growcache.shard import TMP_PREFIX
 from growcache.sources import NpyWindowSource, RetryPolicy
 
@@ -121,11 +123,8 @@ def test_a_second_pool_on_the_same_cache_draws_new_samples(cache):
 
 def test_shards_rotate_by_age_when_samples_are_slow(cache):
     with SamplerPool(cache, slow_sample, workers=1, shard_size="8MB", max_shard_age=0.3) as pool:
-        start = time.monotonic()
         stats = pool.wait_for(shards=2, timeout=30)
-        took = time.monotonic() - start
-    assert stats.records < 8 * 10**6 // RECORD, "published by age, long before the size"
-    assert took < 10
+    assert stats.shards >= 2 and stats.records < 8 * 10**6 // RECORD, "published by age, long before the size"
     sizes = [s.records for s in cache.list_shards()]
     assert all(0 < n <= 40 for n in sizes), sizes  # ~0.3 s of 20 ms samples each
 
@@ -156,7 +155,7 @@ def test_leased_shards_survive_while_the_pool_writes_on(tmp_path):
     assert temporaries(cache) == []
 
 
-def test_stop_interrupts_writers_waiting_for_leased_room(tmp_path):
+def test_stop_interrupts_writers_waiting_for_leased_room(tmp_path, caplog):
     # A policy under which leases pin the whole budget, so writers wait in close().
     cache = Cache(tmp_path / "leased", capacity=4 * 20 * RECORD, schema=SCHEMA, eviction_policy=strict_fifo)
     pool = SamplerPool(cache, stream_sample, workers=2, shard_size=20 * RECORD, max_shard_age=None).start()
@@ -168,9 +167,10 @@ def test_stop_interrupts_writers_waiting_for_leased_room(tmp_path):
             stalled = pool.stats().shards
             time.sleep(0.5)
             assert pool.stats().shards == stalled, "no publish while every shard is leased"
-            start = time.monotonic()
+            caplog.set_level(logging.WARNING, logger="growcache")
             final = pool.stop(timeout=20)
-            assert time.monotonic() - start < 5, "stop() interrupts the wait for room"
+            # Interrupted, not outwaited: no worker had to be terminated after the timeout.
+            assert "did not stop within" not in caplog.text, "stop() interrupts the wait for room"
             assert all(os.path.exists(p) for p in held), "leased shards are never evicted"
         assert final.discarded >= 1 and temporaries(cache) == []
     finally:
@@ -179,10 +179,8 @@ def test_stop_interrupts_writers_waiting_for_leased_room(tmp_path):
 
 def test_sample_function_exception_reaches_the_parent_with_traceback(cache):
     pool = SamplerPool(cache, failing_sample, workers=2).start()
-    start = time.monotonic()
-    with pytest.raises(SamplerError) as info:
+    with pytest.raises(SamplerError) as info:  # not wait_for's TimeoutError: the failure ends the wait
         pool.wait_for(records=10, timeout=60)
-    assert time.monotonic() - start < 30
     message = str(info.value)
     assert "ValueError: bad row 17 in the user's data" in message
     assert "Worker traceback" in message and "in failing_sample" in message
@@ -327,11 +325,9 @@ def test_missing_bucket_fails_the_pool_at_once_without_secrets(s3_server, s3, tm
     options = s3_server.storage_options(secret=PLANTED)
     source = NpyWindowSource("s3://no-such-bucket-here/*.npy", 8, storage_options=options)
     cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
-    start = time.monotonic()
-    with pytest.raises(SamplerError) as info:
+    with pytest.raises(SamplerError) as info:  # not wait_for's TimeoutError: the failure ends the wait
         with SamplerPool(cache, source, workers=2) as pool:
             pool.wait_for(records=1, timeout=60)
-    assert time.monotonic() - start < 20
     assert "s3://no-such-bucket-here/*.npy" in str(info.value)
     assert PLANTED not in str(info.value) and PLANTED not in info.value.worker_traceback
     assert isinstance(info.value.__cause__, SourceError) and pool.stats().restarts == 0
@@ -350,10 +346,10 @@ def test_store_down_for_good_is_retried_restarted_then_raised(s3_server, tmp_pat
 
 
 def test_storage_option_parsing():
-    assert _parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
+    assert parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
         "anon": True, "client_kwargs": {"endpoint_url": "http://h:9"}, "key": "abc"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        _parse_storage_options(["novalue"])
+        parse_storage_options(["novalue"])
 
 
 def test_throughput_benchmark_quick(tmp_path):
@@ -379,7 +375,7 @@ def test_throughput_benchmark_quick(tmp_path):
 def test_run_sample_command_takes_the_schema_from_the_source(tmp_path):
     import argparse
 
-    from growcache.sampler import run_sample_command
+    from growcache.cli import run_sample_command
 
     remote = tmp_path / "remote"
     remote.mkdir()
