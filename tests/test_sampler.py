@@ -17,8 +17,7 @@ from growcache.eviction import choose_evictions_fifo
 from growcache.errors import CacheFullError, SamplerError, SchemaError, SourceError, TransientSourceError
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
-from growcache.cli import parse_storage_options
-from growcache.sampler import SamplerPool, worker_rng
+from growcache.sampler import SamplerPool, _parse_storage_options, worker_rng
 from growcache.shard import TMP_PREFIX
 from growcache.sources import NpyWindowSource, RetryPolicy
 
@@ -346,10 +345,10 @@ def test_store_down_for_good_is_retried_restarted_then_raised(s3_server, tmp_pat
 
 
 def test_storage_option_parsing():
-    assert parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
+    assert _parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
         "anon": True, "client_kwargs": {"endpoint_url": "http://h:9"}, "key": "abc"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        parse_storage_options(["novalue"])
+        _parse_storage_options(["novalue"])
 
 
 def test_throughput_benchmark_quick(tmp_path):
@@ -375,7 +374,7 @@ def test_throughput_benchmark_quick(tmp_path):
 def test_run_sample_command_takes_the_schema_from_the_source(tmp_path):
     import argparse
 
-    from growcache.cli import run_sample_command
+    from growcache.sampler import run_sample_command
 
     remote = tmp_path / "remote"
     remote.mkdir()
