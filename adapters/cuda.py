@@ -1,0 +1,345 @@
+"""CUDA delivery for ``make_torch_loader``: slabs registered once, batches moved by DMA.
+
+The slabs are shared memory that lives for the whole run, so the training process registers
+each one with CUDA once (``cudaHostRegister``, through ``torch.cuda.cudart()``) when it first
+meets a batch of it. From then on a slot's bytes are page-locked: the GPU's copy engine
+reads them directly, and the training process does no per-batch copy.
+
+* ``device=`` (:meth:`CudaDelivery.device_batches`): each batch is copied with
+  ``non_blocking=True`` on a side stream into tensors from torch's caching allocator, one
+  batch ahead, so the copy of batch k+1 overlaps the work on batch k. The consumer's current
+  stream waits for the copy's event, and every tensor is ``record_stream``-ed on it, so the
+  allocator never reuses its memory under the consumer's kernels. The slot goes back to its
+  worker only when that event has completed (:func:`growcache.device_release.deliver`).
+* ``pin_memory=True`` (:meth:`CudaDelivery.pinned_batches`): the batch's large features are
+  zero-copy views of the registered slot, so ``is_pinned()`` is true and the consumer's own
+  ``.to(device, non_blocking=True)`` is a DMA. The loader cannot see those copies: a slot is
+  freed only after the consumer dropped every view of it *and* an event recorded later on
+  the consumer's current stream has completed (:meth:`ReleaseQueue.guard` and ``fence``).
+
+Tensors that are not in a registered slot reach the device through pinned staging memory
+from torch's caching host allocator, which tracks its own blocks against the copies that read
+them: small features under ``pin_memory=True`` (users keep labels and ids, and a kept view
+would hold a slot), every batch with ``num_workers=0`` or when a worker could not get a slot,
+and every batch of a slab whose registration failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from growcache.device_release import InFlight, ReleaseQueue, deliver
+from growcache.errors import DeviceError
+from growcache.transport import Slab, SlotHandle
+
+__all__ = ["CudaDelivery", "SlotBatch", "resolve_device"]
+
+logger = logging.getLogger(__name__)
+
+# cudaHostRegisterPortable: the memory is page-locked for every CUDA context, so a process
+# that uses several devices can copy a slab to any of them.
+_REGISTER_PORTABLE = 1
+_WARNED: set[str] = set()
+
+
+class SlotBatch(NamedTuple):
+    """A batch still in its slot: what the loader hands :class:`CudaDelivery`."""
+
+    slab: Slab
+    handle: SlotHandle
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _no_cuda_reason() -> str:
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES is unset"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver ({shown}); "
+            "check nvidia-smi and the container's GPU access")
+
+
+def resolve_device(device: Any) -> torch.device | None:
+    """The CUDA device that ``device`` names, or ``None`` for batches left on the CPU.
+
+    Args:
+        device: ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+            ``"cuda"`` without an index stays unresolved here: it means the current device
+            of each epoch (each rank's own under DDP).
+
+    Raises:
+        ValueError: ``device`` is not a device, or not a CUDA or CPU one.
+        DeviceError: CUDA, or that device, is not available to this process.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"make_torch_loader(device={device!r}): not a device ({exc}); pass 'cuda', 'cuda:N', "
+                         "a torch.device, or None for CPU batches") from None
+    if dev.type == "cpu":
+        return None  # batches are CPU tensors already: `device = "cuda" if ... else "cpu"` just works
+    if dev.type != "cuda":
+        raise ValueError(f"make_torch_loader(device={device!r}): growcache moves batches to CUDA devices only; "
+                         f"pass device=None and move each batch yourself (batch[k].to({str(dev)!r}))")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"make_torch_loader(device={device!r}) but CUDA is not available: {_no_cuda_reason()}. "
+                          "Pass device=None for CPU batches.")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise DeviceError(f"make_torch_loader(device={device!r}) but this process sees {count} CUDA device(s), "
+                          f"cuda:0 to cuda:{count - 1} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return dev
+
+
+def _memlock_limit() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 10} KiB"
+
+
+def _take_stale_error(device: torch.device) -> None:
+    # A failed runtime call stays the thread's "last error", and torch reads the last error
+    # after its next kernel launch: an unrelated operation would fail with it. One tiny
+    # kernel takes it out here (torch clears it as it raises).
+    try:
+        torch.ones(1, device=device)
+    except RuntimeError:
+        pass
+
+
+class _Registry:
+    """Slabs registered with CUDA, each once, until :meth:`close`.
+
+    A slab is held here while registered: its memory must not be unmapped before it is
+    unregistered.
+    """
+
+    def __init__(self) -> None:
+        self._registered: dict[int, tuple[Slab, int, int]] = {}  # id -> (slab, address, bytes)
+        self._failed: dict[int, Slab] = {}
+        self.closed = False
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self._registered.values())
+
+    def pinned(self, slab: Slab, device: torch.device) -> bool:
+        """Register ``slab``'s slots once; whether they are page-locked now."""
+        key = id(slab)
+        if key in self._registered:
+            return True
+        if key in self._failed or self.closed:
+            return False
+        address = slab.slot_bytes(0).ctypes.data
+        nbytes = slab.slots * slab.layout.slot_nbytes
+        started = time.perf_counter()
+        with torch.cuda.device(device):
+            cudart = torch.cuda.cudart()
+            error = cudart.cudaHostRegister(address, nbytes, _REGISTER_PORTABLE)
+        if int(error) != 0:
+            self._failed[key] = slab
+            _take_stale_error(device)
+            _warn_once("register", (
+                f"growcache could not register a {nbytes / 2**20:.1f} MiB slab with CUDA (cudaHostRegister failed: "
+                f"{cudart.cudaGetErrorString(error)}; the locked-memory limit, ulimit -l, is {_memlock_limit()}). "
+                "Batches of it are staged through pinned memory in the training process instead: correct, at the "
+                "cost of one memcpy per batch. In a container, raise the limit (docker run --ulimit memlock=-1) "
+                "or lower prefetch_factor / batch_size to register less."))
+            return False
+        self._registered[key] = (slab, address, nbytes)
+        logger.info("registered slab %d with CUDA: %d slots x %.1f MiB = %.1f MiB in %.1f ms", slab.index, slab.slots,
+                    slab.layout.slot_nbytes / 2**20, nbytes / 2**20, (time.perf_counter() - started) * 1e3)
+        return True
+
+    def close(self) -> None:
+        """Unregister every slab. Every copy that reads one must have completed."""
+        self.closed = True
+        registered, self._registered = self._registered, {}
+        self._failed = {}
+        for slab, address, _ in registered.values():
+            error = torch.cuda.cudart().cudaHostUnregister(address)
+            if int(error) != 0:
+                logger.warning("cudaHostUnregister of slab %d failed: %s", slab.index,
+                               torch.cuda.cudart().cudaGetErrorString(error))
+
+
+class _SideStreamCopies:
+    """:class:`~growcache.device_release.CopyEngine` onto one device, on a side stream."""
+
+    def __init__(self, device: torch.device, registry: _Registry) -> None:
+        self.device = device
+        self.registry = registry
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, host: SlotBatch | dict[str, torch.Tensor]) -> InFlight:
+        keep = None
+        if isinstance(host, SlotBatch) and self.registry.pinned(host.slab, self.device):
+            keep = host.slab.open(host.handle)  # views of the registered slot: the DMA reads them
+            sources = {k: torch.from_numpy(v) for k, v in keep.items()}
+        else:
+            sources = _staged(host)
+        with torch.cuda.stream(self.stream):  # allocations and copies belong to the side stream
+            batch = {k: t.to(self.device, non_blocking=True) for k, t in sources.items()}
+            event = torch.cuda.Event(blocking=True)  # a wait on it sleeps instead of spinning
+            event.record(self.stream)
+        return InFlight(batch, event, keep)
+
+    def hand_over(self, flight: InFlight) -> dict[str, torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(flight.event)  # this batch's copy only, not the next one's behind it
+        for tensor in flight.batch.values():
+            # Allocated on the side stream: without this the allocator could hand the memory
+            # to the next copy while the consumer's kernels still read it.
+            tensor.record_stream(current)
+        return flight.batch
+
+
+def _pinned_copy(source: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A copy of ``source`` in pinned memory of torch's caching host allocator.
+
+    Not ``Tensor.pin_memory()``: that returns the tensor itself when its memory is already
+    page-locked, as a registered slot is, and the "copy" would still be the slot.
+    """
+    tensor = torch.from_numpy(source) if isinstance(source, np.ndarray) else source
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+
+
+def _staged(host: SlotBatch | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``host`` copied into pinned staging memory (its slot, if any, is free again when this
+    returns: the copy is synchronous). torch's host allocator records the copies that read
+    its blocks, and reuses none before they complete."""
+    if isinstance(host, SlotBatch):
+        return {k: _pinned_copy(v) for k, v in host.slab.open(host.handle).items()}
+    return {k: _pinned_copy(t) for k, t in host.items()}
+
+
+class _Closer:
+    """What a finalizer may call: no reference back to the delivery or its loader."""
+
+    def __init__(self, release: ReleaseQueue, registry: _Registry, pin: bool) -> None:
+        self.release = release
+        self.registry = registry
+        self.pin = pin
+
+    def __call__(self) -> None:
+        if self.registry.closed:
+            return
+        try:
+            # A consumer's own copies from pinned views: everything enqueued on its stream so
+            # far completes before the memory stops being page-locked.
+            self.release.close(_record_on_current if self.pin else None)
+            if self.pin and torch.cuda.is_initialized():
+                torch.cuda.current_stream().synchronize()
+            self.registry.close()
+        except Exception as exc:  # noqa: BLE001 - interpreter shutdown may have taken CUDA down first
+            logger.debug("growcache CUDA delivery close: %s", exc)
+
+
+def _record_on_current() -> torch.cuda.Event:
+    event = torch.cuda.Event(blocking=True)
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+class CudaDelivery:
+    """Moves batches of one loader from its slabs to a CUDA device, or hands out pinned views.
+
+    One per loader, in the training process. :meth:`close` (or garbage collection of the
+    owner passed to :meth:`bind`) waits for every copy and unregisters every slab.
+
+    Args:
+        device: from :func:`resolve_device`, or ``None`` with ``pin=True``.
+        pin: hand out pinned CPU batches instead of device batches.
+        copy: with ``pin``, copy every feature into pinned memory and free the slot at once.
+        copy_below: with ``pin``, features of at most this many bytes per batch are copied
+            into pinned memory rather than viewed in the slot.
+    """
+
+    def __init__(self, device: torch.device | None, *, pin: bool = False, copy: bool = False,
+                 copy_below: int = 0) -> None:
+        if device is None and not pin:
+            raise ValueError("CudaDelivery needs a device, or pin=True")
+        self.device = device
+        self.pin = pin
+        self.copy = copy
+        self.copy_below = copy_below
+        self.registry = _Registry()
+        self.release = ReleaseQueue()
+        self._engines: dict[torch.device, _SideStreamCopies] = {}
+        self._closer = _Closer(self.release, self.registry, pin)
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of slab memory page-locked for CUDA now: slabs x slots x slot bytes."""
+        return self.registry.registered_bytes
+
+    def bind(self, owner: Any) -> None:
+        """Close when ``owner`` (the loader) is garbage collected, if not closed before."""
+        weakref.finalize(owner, self._closer)
+
+    def close(self) -> None:
+        """Wait for every copy from a slab, then unregister every slab. Idempotent."""
+        self._closer()
+
+    def epoch_device(self) -> torch.device:
+        """The device of the epoch starting now: ``"cuda"`` is the current device."""
+        if self.device is None:
+            raise ValueError("this delivery hands out pinned CPU batches; it has no device")
+        if self.device.index is not None:
+            return self.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def device_batches(self, host_batches: Iterable[SlotBatch | dict[str, torch.Tensor]]
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch of batches on the device, each ordered on the consumer's current stream."""
+        device = self.epoch_device()
+        engine = self._engines.get(device)
+        if engine is None:
+            engine = self._engines[device] = _SideStreamCopies(device, self.registry)
+        return deliver(host_batches, engine, self.release)
+
+    def pinned_batches(self, host_batches: Iterable[SlotBatch | dict[str, torch.Tensor]]
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch of pinned CPU batches for the consumer's own ``non_blocking`` copies.
+
+        Contract: a copy from a batch must be enqueued on the stream that is current when
+        the next batch is requested (or on one that stream has waited on) before the batch
+        is dropped. The slot is freed once the batch is dropped and an event recorded on the
+        current stream at a later request (or at close) has completed.
+        """
+        device = torch.device("cuda", torch.cuda.current_device())
+        for host in host_batches:
+            self.release.fence(_record_on_current)
+            self.release.poll()
+            yield self._pinned(host, device)
+            del host
+
+    def _pinned(self, host: SlotBatch | dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        if not isinstance(host, SlotBatch) or not self.registry.pinned(host.slab, device):
+            return _staged(host)
+        views = host.slab.open(host.handle)
+        small = {k for k, v in views.items() if self.copy or v.nbytes <= self.copy_below}
+        out: dict[str, Any] = {}
+        for name in small:
+            # Straight into pinned memory: one copy, as copy_below costs on the CPU path.
+            out[name] = _pinned_copy(views[name])
+        if len(small) < len(views):
+            guarded = self.release.guard({k: v for k, v in views.items() if k not in small}, views)
+            out.update((k, torch.from_numpy(v)) for k, v in guarded.items())
+        return {k: out[k] for k in views}
