@@ -6,6 +6,8 @@ import sys
 
 from growcache import Cache
 from growcache.cli import main
+from growcache.example import ExampleCodec
+from growcache.records import iter_records
 
 from conftest import write_shards
 
@@ -79,7 +81,13 @@ def test_sample_grows_a_cache_from_a_store_url(tmp_path):
     assert result.returncode == 0, result.stderr
     cache = Cache(cache_dir)
     assert cache.schema is not None and cache.schema["x"].shape == (4, 3)
-    assert cache.stats().records >= 1 and cache.stats().temporaries == 0
+    assert cache.stats().records >= 40 and cache.stats().temporaries == 0, "--records 40 reached"
+    codec = ExampleCodec(cache.schema)
+    windows = [codec.decode(record)["x"] for shard in cache.list_shards() for _, record in iter_records(shard.path)]
+    assert len(windows) == cache.stats().records
+    for x in windows:  # each record is 4 consecutive rows of the remote array
+        first = int(x[0, 0]) // 3
+        assert np.array_equal(x, rows[first:first + 4]), x
 
 
 def test_sample_usage_and_store_errors(tmp_path, capsys):

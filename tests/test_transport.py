@@ -157,13 +157,16 @@ def test_a_new_reader_does_not_touch_a_batch_the_consumer_still_holds(anonymous)
         kept = slab.open(handle)["x"]
         pid = os.fork()
         if pid == 0:
+            code = 1  # a reader that fails must fail the test, not exit 0
             try:
                 slab._prefaulted_in = -1  # as in a freshly started reader
                 slab.prefault()
                 slab.start_generation(2, [(handle.slot, handle.token)])
+                code = 0
             finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the new reader failed to start its generation"
         assert (kept == 7).all()
     finally:
         del kept, arrays
