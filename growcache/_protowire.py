@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["decode_varint_rows", "encode_varints", "iter_fields", "read_varint", "varint", "varint_count"]
+__all__ = ["decode_varint_rows", "encode_varints", "iter_fields", "read_varint", "varint"]
 
 LEN = 2  # wire type of length-delimited fields (bytes, messages, packed repeated scalars)
 VARINT = 0
@@ -20,6 +20,8 @@ FIXED32 = 5
 MAX_VARINT_BYTES = 10
 
 _VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, MAX_VARINT_BYTES)], dtype=np.uint64)
+_SHIFTS = np.arange(MAX_VARINT_BYTES, dtype=np.uint64) * np.uint64(7)
+_WIDE_SMALL: dict[int, bytes] = {}  # 10-byte varints of small values (labels), built as met
 
 
 def varint(value: int) -> bytes:
@@ -89,9 +91,34 @@ def iter_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int,
             raise ValueError(f"unsupported protobuf wire type {wire} (field {field})")
 
 
-def encode_varints(values: np.ndarray) -> bytes:
-    """Packed varints of int64 ``values`` (negative ones take 10 bytes, as protobuf writes them)."""
+def wide_varint(value: int) -> bytes:
+    """The varint of a non-negative ``value`` written in 10 bytes (high groups zero, continued).
+
+    Protobuf parsers read varints of up to 10 bytes whatever their value (TensorFlow's,
+    protobuf's C++, upb, Java and Go ones do), so a value written this way reads back
+    unchanged, and every record of a schema keeps one length.
+    """
+    cached = _WIDE_SMALL.get(value)
+    if cached is None:
+        cached = bytes(((value >> (7 * k)) & 0x7F) | (0x80 if k < MAX_VARINT_BYTES - 1 else 0)
+                       for k in range(MAX_VARINT_BYTES))
+        if value < 1 << 16:
+            _WIDE_SMALL[value] = cached
+    return cached
+
+
+def encode_varints(values: np.ndarray, *, wide: bool = False) -> bytes:
+    """Packed varints of int64 ``values``: the shortest form, or 10 bytes each with ``wide``.
+
+    Negative values take 10 bytes either way, as protobuf writes them.
+    """
     flat = np.ascontiguousarray(values, dtype=np.int64).reshape(-1).view(np.uint64)
+    if wide:
+        if flat.size <= 4:
+            return b"".join(wide_varint(int(v)) for v in flat)
+        groups = ((flat[:, None] >> _SHIFTS) & np.uint64(0x7F)).astype(np.uint8)
+        groups[:, :-1] |= 0x80
+        return groups.tobytes()
     if flat.size <= 8:  # a label or a short vector: Python beats numpy's per-call cost
         return b"".join(varint(int(v)) for v in flat)
     nbytes = 1 + (flat[:, None] >= _VARINT_LIMITS).sum(axis=1)
@@ -106,11 +133,6 @@ def encode_varints(values: np.ndarray) -> bytes:
         group |= np.where(nbytes[has] > k + 1, 0x80, 0).astype(np.uint8)
         out[starts[has] + k] = group
     return out.tobytes()
-
-
-def varint_count(payload: np.ndarray) -> int:
-    """Values in a packed varint payload (uint8 array); assumes its last byte ends a varint."""
-    return int(np.count_nonzero(payload < 0x80))
 
 
 def decode_varint_rows(rows: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:
@@ -135,6 +157,12 @@ def decode_varint_rows(rows: np.ndarray, lengths: np.ndarray, count: int) -> np.
     lengths = np.asarray(lengths[:records], dtype=np.int64)
     if width and bool(np.all(lengths == count)) and not np.any(rows[:, :count] & 0x80):
         return rows[:, :count].astype(np.int64)  # every value below 128: the usual label
+    wide = count * MAX_VARINT_BYTES
+    if width >= wide and bool(np.all(lengths == wide)):  # growcache's 10-byte varints
+        groups = rows[:, :wide].reshape(records, count, MAX_VARINT_BYTES)
+        if np.all(groups[:, :, :-1] & 0x80) and not np.any(groups[:, :, -1] & 0x80):
+            parts = (groups & 0x7F).astype(np.uint64) << _SHIFTS
+            return np.bitwise_or.reduce(parts, axis=2).view(np.int64)
     columns = np.arange(width)
     valid = columns < lengths[:, None]
     ends = valid & (rows < 0x80)

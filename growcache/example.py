@@ -13,10 +13,11 @@ the packed varints of an ``int64_list``. Every byte outside the payloads (tags, 
 keys, tensor headers) is *structure*. Two records with the same length and the same
 structure bytes parse the same way, so :class:`ExampleCodec` parses a record in full only
 the first time its structure is seen; later records of that layout are checked by
-comparing their structure bytes and then sliced. Records growcache writes in the
-``bytes``, ``float_list`` and ``tensor`` encodings all share one layout; an
-``int64_list`` payload's length varies with its values, so such records take one layout
-per payload length (a label below 128, one byte, is one layout).
+comparing their structure bytes and then sliced. Every record growcache writes for a
+schema has one layout (``int64_list`` values as 10-byte varints, which every protobuf
+parser reads); records of other writers take one layout per structure they use
+(TensorFlow writes the shortest varints, so a label below 128 is one layout, below
+16384 another).
 
 :class:`BatchDecoder` copies records into the rows of a batch (one memcpy per payload)
 and decodes ``int64_list`` payloads once per batch, vectorized with numpy.
@@ -45,7 +46,15 @@ from .errors import SchemaError
 from .schema import FeatureSpec, Schema
 from .tensor_proto import parse_tensor, tensor_header
 
-__all__ = ["BatchDecoder", "ExampleCodec", "FoundFeature", "TFFeatureParse", "scan_example", "tf_parse_plan"]
+__all__ = [
+    "BatchDecoder",
+    "ExampleCodec",
+    "FoundFeature",
+    "RecordChecker",
+    "TFFeatureParse",
+    "scan_example",
+    "tf_parse_plan",
+]
 
 _TAG_1 = tag(1, LEN)
 _TAG_2 = tag(2, LEN)
@@ -180,15 +189,19 @@ class ExampleCodec:
     Args:
         schema: the schema every record follows.
 
+    Every record this codec writes has the same layout, described by ``prefixes``,
+    ``layout`` and ``record_nbytes``: ``int64_list`` values are written as 10-byte varints
+    (see :func:`growcache._protowire.wide_varint`), so their length does not vary with
+    the values. Records of other writers are read in any layout.
+
     Attributes:
-        fixed_layout: every record this codec writes has the same layout (no ``int64_list``
-            feature); then ``prefixes``, ``layout`` and ``record_nbytes`` describe it.
+        fixed_layout: every payload this codec writes is the raw bytes of its array (no
+            ``int64_list`` feature), so a payload can be copied straight into an array.
         layout: ``(name, payload_offset, payload_nbytes)`` per feature, in schema order,
-            for records this codec writes (``int64_list`` payloads: their largest size).
+            for records this codec writes.
         prefixes: per feature, in schema order, the structure bytes before its payload in
-            every record this codec writes (``fixed_layout`` only).
-        record_nbytes: serialized size of every record this codec writes; with
-            ``int64_list`` features, the largest possible.
+            every record this codec writes.
+        record_nbytes: serialized size of every record this codec writes.
     """
 
     def __init__(self, schema: Schema) -> None:
@@ -198,7 +211,6 @@ class ExampleCodec:
         self._ranges = {s.name: _int_range(s.dtype) for s in self.specs if s.encoding == "int64_list"}
         self._tensor_heads = {s.name: tensor_header(s.dtype, s.shape) for s in self.specs if s.encoding == "tensor"}
         self._keys = {s.name: s.name.encode("utf-8") for s in self.specs}
-        # The largest record: every int64 value a 10-byte varint.
         sizes = {s.name: s.size * MAX_VARINT_BYTES if s.encoding == "int64_list" else s.nbytes for s in self.specs}
         self.prefixes = []
         self.layout = []
@@ -212,17 +224,15 @@ class ExampleCodec:
         self.record_nbytes = offset
         self._layouts: dict[int, list[_Layout]] = {}
         self._layout_count = 0
-        if self.fixed_layout:
-            self._remember(_Layout(
-                tuple((o - len(p), p) for p, (_, o, _) in zip(self.prefixes, self.layout) if p),
-                tuple((o, n) for _, o, n in self.layout)), self.record_nbytes)
+        self._remember(_Layout(
+            tuple((o - len(p), p) for p, (_, o, _) in zip(self.prefixes, self.layout) if p),
+            tuple((o, n) for _, o, n in self.layout)), self.record_nbytes)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_layouts"], state["_layout_count"] = {}, 0  # learned again in each process
-        if self.fixed_layout:
-            state["_layouts"] = {self.record_nbytes: self._layouts[self.record_nbytes][:1]}
-            state["_layout_count"] = 1
+        # Learned layouts are learned again in each process; the written one always travels.
+        state["_layouts"] = {self.record_nbytes: self._layouts[self.record_nbytes][:1]}
+        state["_layout_count"] = 1
         return state
 
     # -- encoding -------------------------------------------------------------------------
@@ -256,16 +266,12 @@ class ExampleCodec:
         Raises:
             SchemaError: an ``int64_list`` value does not fit in an int64 (a uint64 above 2**63 - 1).
         """
-        if self.fixed_layout:
-            prefixes = self.prefixes
-            payloads: dict[str, Any] = {}
-        else:
+        payloads: dict[str, Any] = {}
+        if not self.fixed_layout:
             payloads = {s.name: self._int64_payload(s, arrays[s.name]) for s in self.specs
                         if s.encoding == "int64_list"}
-            prefixes = self._heads({s.name: len(payloads[s.name]) if s.name in payloads else s.nbytes
-                                    for s in self.specs})
         pieces: list[Any] = []
-        for prefix, spec in zip(prefixes, self.specs):
+        for prefix, spec in zip(self.prefixes, self.specs):
             pieces.append(prefix)
             payload = payloads.get(spec.name)
             if payload is None:
@@ -280,7 +286,7 @@ class ExampleCodec:
                 f"feature {spec.name!r}: uint64 value {int(array.max())} does not fit int64_list (int64 values). "
                 "Store it with the 'bytes' or 'tensor' encoding."
             )
-        return encode_varints(array.astype(np.int64, copy=False))
+        return encode_varints(array.astype(np.int64, copy=False), wide=True)
 
     def encode(self, sample: Mapping[str, Any]) -> bytes:
         """Validate ``sample`` and return it as one serialized ``tf.train.Example``."""
@@ -582,6 +588,72 @@ class BatchDecoder:
             except ValueError as exc:
                 raise SchemaError(f"feature {spec.name!r}: bad int64_list payload ({exc})") from None
             arrays[spec.name][:count] = self.codec._narrow(spec, values).reshape(count, *spec.shape)
+
+
+class RecordChecker:
+    """Checks that records follow a schema, as files come into a cache.
+
+    A record's structure is checked at once; ``int64_list`` values are decoded and
+    range-checked a batch of records at a time (call :meth:`flush` after the last record).
+    Errors name the file and the byte offset of the record at fault.
+
+    Args:
+        codec: the codec of the cache's schema.
+        source: the file or URL the records come from, for messages.
+        batch: records whose ``int64_list`` payloads are checked together. Default: ``1024``.
+    """
+
+    def __init__(self, codec: ExampleCodec, source: str, batch: int = 1024) -> None:
+        self.codec = codec
+        self.source = source
+        self._decoder = BatchDecoder(codec)
+        self._staged = 0
+        self._offsets = np.zeros(batch, np.int64)
+        self._rows: list[np.ndarray] | None = None
+        self._arrays: dict[str, np.ndarray] = {}
+        if self._decoder._varint:
+            self._arrays = {s.name: np.empty((batch, *s.shape), s.dtype) for s in codec.specs}
+            self._rows = self._decoder.rows(self._arrays)
+
+    def check(self, record: Any, offset: int) -> None:
+        """Check one record found at byte ``offset``.
+
+        Raises:
+            SchemaError: it does not follow the schema (the message names file and offset).
+        """
+        try:
+            if self._rows is None:
+                spans = self.codec._spans(record if type(record) is memoryview else memoryview(record))
+                if isinstance(spans, str):
+                    self.codec.decode(record)
+                return
+            self._decoder.put(record, self._rows, self._staged)
+        except (SchemaError, ValueError) as exc:
+            raise SchemaError(f"{self.source} at byte offset {offset}: {exc}") from None
+        self._offsets[self._staged] = offset
+        self._staged += 1
+        if self._staged == len(self._offsets):
+            self.flush()
+
+    def flush(self) -> None:
+        """Check the values of the records staged so far.
+
+        Raises:
+            SchemaError: a value is out of its dtype's range (file, offset, feature, value).
+        """
+        count, self._staged = self._staged, 0
+        if not count or self._rows is None:
+            return
+        try:
+            self._decoder.finish(self._arrays, self._rows, count)
+        except SchemaError:
+            for row in range(count):  # rare: find the record at fault
+                single = [r[row:row + 1] for r in self._rows]
+                try:
+                    self._decoder.finish({n: a[row:row + 1] for n, a in self._arrays.items()}, single, 1)
+                except SchemaError as exc:
+                    raise SchemaError(f"{self.source} at byte offset {int(self._offsets[row])}: {exc}") from None
+            raise
 
 
 # -- TensorFlow's view, without TensorFlow -------------------------------------------------

@@ -259,6 +259,16 @@ def test_varint_rows_decode_random_values_and_refuse_bad_payloads():
         decode_varint_rows(rows[:1], lengths[:1], 3)
 
 
+def test_wide_varints_read_back_and_keep_one_length():
+    values = np.array([0, 1, 127, 128, 2**62, -1, -(2**63)], np.int64)
+    for chunk in (values[:3], values):  # the Python path for short lists and the numpy one
+        wide = np.frombuffer(encode_varints(chunk, wide=True), np.uint8)
+        assert wide.size == 10 * chunk.size
+        assert np.array_equal(decode_varint_rows(wide[None], np.array([wide.size]), chunk.size)[0], chunk)
+        short = np.frombuffer(encode_varints(chunk), np.uint8)
+        assert np.array_equal(decode_varint_rows(short[None], np.array([short.size]), chunk.size)[0], chunk)
+
+
 def _two_values(payload: np.ndarray) -> np.ndarray:
     """The byte length of the first two varints of ``payload``."""
     ends = np.flatnonzero(payload < 0x80)
@@ -300,5 +310,6 @@ def test_shard_writer_writes_int64_list_records_of_varying_length(tmp_path):
     (shard,) = cache.list_shards()
     decoded = [codec.decode(record) for _, record in iter_records(shard.path)]
     assert [int(d["label"]) for d in decoded] == labels
-    assert shard.nbytes == sum(16 + len(codec.encode({"label": np.int64(v), "x": np.zeros(2, np.float32)}))
-                               for v in labels)
+    # int64_list values are written as 10-byte varints: every record of a schema has one layout.
+    assert shard.nbytes == len(labels) * (16 + codec.record_nbytes)
+    assert codec._layout_count == 1
