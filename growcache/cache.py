@@ -402,8 +402,13 @@ class Cache:
         *,
         timeout: float | None = None,
         should_stop: Callable[[], bool] | None = None,
+        before_publish: Callable[[ShardInfo], None] | None = None,
     ) -> ShardInfo:
-        """Make room within the budget, then rename ``tmp_path`` to its published name."""
+        """Make room within the budget, then rename ``tmp_path`` to its published name.
+
+        ``before_publish(info)`` runs under the lock just before the rename: what it records
+        about the shard (a shard source's progress) can never miss a published shard.
+        """
         if nbytes > self.capacity:
             raise CacheFullError(
                 f"shard {tmp_path} has {nbytes} bytes, more than the cache's whole capacity of {self.capacity} "
@@ -428,6 +433,8 @@ class Cache:
                                      records, nbytes)
                     _proc.fault_point("publish:counted")
                     try:
+                        if before_publish is not None:
+                            before_publish(info)
                         os.replace(tmp_path, info.path)
                     except OSError:
                         with contextlib.suppress(OSError):
