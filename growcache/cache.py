@@ -295,8 +295,12 @@ class Cache:
                     "bytes). Raise the capacity, or split the file into smaller shards."
                 )
             records = self._check_added(tmp, source)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, self.file_mode)  # a moved file becomes the cache's only once it is accepted
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             info = self._publish(tmp, records, size)
         except CorruptShardError as exc:
             _give_back(tmp, source if moved else None)
@@ -324,11 +328,6 @@ class Cache:
             else:
                 moved = os.lstat(tmp)
                 if stat.S_ISREG(moved.st_mode) and (moved.st_dev, moved.st_ino) == (info.st_dev, info.st_ino):
-                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
-                    try:
-                        os.fchmod(fd, self.file_mode)
-                    finally:
-                        os.close(fd)
                     return True
                 os.rename(tmp, source)  # it changed under us: give it back untouched, then refuse
                 raise RefusedFileError(f"{source} changed while it was being added; nothing was added. Try again.")

@@ -343,3 +343,309 @@ def test_a_numeric_credential_is_masked_too():
     shown = redact.options_repr(options)
     assert "81234567" not in shown and "'password': '***'" in shown and "'anon': False" in shown
     assert redact("cannot open with password 81234567 (attempt 3)") == "cannot open with password *** (attempt 3)"
+
+
+# -- hostile cache contents and hard kills (issue 17) -----------------------------------------
+def _shard_digests(cache: Cache) -> dict[str, str]:
+    import hashlib
+
+    return {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()}
+
+
+def _peak_rss_of(code: str) -> tuple[int, str]:
+    """Run ``code`` in a fresh interpreter; return (its peak RSS in bytes, its stdout)."""
+    script = code + "\nimport resource; print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak = int(result.stdout.rsplit("PEAK", 1)[1])
+    return peak, result.stdout
+
+
+def test_a_crafted_length_is_refused_before_any_allocation_by_every_core_reader(tmp_path):
+    # 112 bytes whose length field has a valid CRC and claims 2**40 bytes (TensorFlow's own
+    # reader dies with SIGSEGV on it): growcache's readers and verify report it, allocate nothing.
+    from growcache.records import frame_header
+
+    cache = Cache(tmp_path / "c", capacity="1MB", schema=ID_SCHEMA)
+    write_shards(cache, [2])
+    crafted = os.path.join(cache.shards_dir, ShardInfo.file_name(5, 1, 112))
+    with open(crafted, "wb") as f:
+        f.write(frame_header(2**40) + bytes(100))
+    peak, out = _peak_rss_of(f"""
+import growcache
+from growcache.records import iter_records
+report = growcache.Cache({cache.path!r}).verify()
+print("CORRUPT", [(c.path, c.offset) for c in report.corrupt])
+try:
+    list(iter_records({crafted!r}))
+except growcache.CorruptShardError as exc:
+    print("RAISED", exc.path, exc.offset)
+""")
+    assert f"CORRUPT [({crafted!r}, 0)]" in out and f"RAISED {crafted} 0" in out
+    assert peak < 512 << 20
+
+
+def test_verify_checks_a_huge_claimed_record_in_bounded_memory(tmp_path):
+    # A sparse file whose one record claims 1 GiB: verify used to allocate all of it first.
+    from growcache.records import frame_header
+
+    cache = Cache(tmp_path / "c", capacity="4GB", schema=ID_SCHEMA)
+    length = 1 << 30
+    path = os.path.join(cache.shards_dir, ShardInfo.file_name(1, 1, length + 16))
+    with open(path, "wb") as f:
+        f.write(frame_header(length))
+        f.truncate(length + 16)  # a hole: the disk holds next to nothing
+    peak, out = _peak_rss_of(f"""
+import growcache
+report = growcache.Cache({cache.path!r}).verify()
+print("REPORT", report.shards, [(c.path, c.offset, c.reason) for c in report.corrupt])
+""")
+    assert f"REPORT 1 [({path!r}, 0, 'data CRC32C mismatch (corrupt record payload)')]" in out
+    assert peak < 256 << 20, f"verify peaked at {peak >> 20} MiB for a 1 GiB record"
+
+
+def _plant_irregular_entries(cache: Cache, outside: str) -> dict[str, str]:
+    """A directory and a symbolic link named like shards (the directory as the oldest entry),
+    and a directory and a link named like leases; the links point at files outside the cache."""
+    os.makedirs(outside, exist_ok=True)
+    target = os.path.join(outside, "precious.tfrecord")
+    with open(target, "wb") as f:
+        f.write(open(cache.list_shards()[0].path, "rb").read())
+    lease_target = os.path.join(outside, "precious.json")
+    with open(lease_target, "w") as f:
+        json.dump({"pid": 999999, "start_time": 1, "seqs": [1]}, f)
+    planted = {
+        "dir shard": os.path.join(cache.shards_dir, ShardInfo.file_name(0, 1, 100)),
+        "link shard": os.path.join(cache.shards_dir, ShardInfo.file_name(90, 1, os.path.getsize(target))),
+        "dir lease": os.path.join(cache.path, "leases", "1-dir.json"),
+        "link lease": os.path.join(cache.path, "leases", "2-link.json"),
+    }
+    os.mkdir(planted["dir shard"])
+    os.symlink(target, planted["link shard"])
+    os.mkdir(planted["dir lease"])
+    os.symlink(lease_target, planted["link lease"])
+    return planted
+
+
+def test_non_regular_entries_are_reported_and_never_read_evicted_or_followed(tmp_path):
+    cache = Cache(tmp_path / "c", capacity=3 * 1456, schema=ID_SCHEMA)  # 3 shards of 8 records
+    write_shards(cache, [8, 8])
+    outside = str(tmp_path / "outside")
+    planted = _plant_irregular_entries(cache, outside)
+    before = {name: open(os.path.join(outside, name), "rb").read() for name in os.listdir(outside)}
+    seqs = [s.seq for s in cache.list_shards()]
+    assert seqs == [1, 2]
+    with cache.snapshot() as snapshot:
+        assert [s.seq for s in snapshot] == [1, 2]
+    write_shards(cache, [8, 8], first_id=100)  # evicts shard 1, with the directory as the oldest entry
+    assert [s.seq for s in cache.list_shards()] == [2, 3, 4]
+    assert [s.seq for s in cache.prune(to=0)] == [2, 3, 4]
+    write_shards(cache, [8], first_id=200)
+    report = cache.verify()
+    assert report.corrupt == [] and report.shards == 1 and not report.ok
+    assert sorted(report.irregular) == sorted(planted.values())
+    assert sorted(cache.stats().irregular) == sorted(planted.values())
+    assert all(os.path.lexists(p) for p in planted.values()), "growcache never deletes what it did not write"
+    assert {name: open(os.path.join(outside, name), "rb").read() for name in os.listdir(outside)} == before
+    from growcache.cli import main
+
+    assert main(["verify", "-q", cache.path]) == 1
+    assert main(["status", cache.path]) == 0
+
+
+@pytest.mark.parametrize("which", ["leases", "shards"])
+def test_a_symlinked_leases_or_shards_directory_is_refused(tmp_path, which):
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    write_shards(cache, [2])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "settings.json").write_text('{"keep": true}')
+    (outside / "123-notes.json").write_text('{"pid": 999999, "seqs": [1]}')
+    (outside / ShardInfo.file_name(1, 2, 10)).write_bytes(b"0123456789")
+    before = sorted(os.listdir(outside))
+    moved = tmp_path / f"old-{which}"
+    os.rename(os.path.join(cache.path, which), moved)
+    os.symlink(outside, os.path.join(cache.path, which))
+    for action in (lambda: Cache(cache.path), lambda: cache.prune(to=0), lambda: write_shards(cache, [2])):
+        with pytest.raises(CacheFormatError, match=f"{which} is a symbolic link.*Replace it with a directory"):
+            action()
+    assert sorted(os.listdir(outside)) == before
+    assert (outside / "settings.json").read_text() == '{"keep": true}'
+
+
+def test_add_shard_moves_no_outside_file_and_copies_a_links_content(tmp_path, id_cache, no_umask):
+    write_shards(id_cache, [3])
+    good = open(id_cache.list_shards()[0].path, "rb").read()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "data.tfrecord"
+    target.write_bytes(good)
+    os.chmod(target, 0o644)
+    link = tmp_path / "link.tfrecord"
+    os.symlink(target, link)
+    info = id_cache.add_shard(link, move=True)
+    assert not os.path.lexists(link), "move=True takes the link itself away"
+    assert target.read_bytes() == good and stat.S_IMODE(os.stat(target).st_mode) == 0o644
+    assert stat.S_ISREG(os.lstat(info.path).st_mode) and os.stat(info.path).st_ino != os.stat(target).st_ino
+    target.write_bytes(b"rewritten from outside")
+    assert open(info.path, "rb").read() == good, "the published shard shares nothing with the outside file"
+    # A hard link is not moved either: the other name could rewrite the shard.
+    other = outside / "other-name.tfrecord"
+    source = tmp_path / "hard.tfrecord"
+    source.write_bytes(good)
+    os.link(source, other)
+    info = id_cache.add_shard(source, move=True)
+    assert os.stat(info.path).st_ino != os.stat(other).st_ino and not source.exists()
+    # A refused file keeps its mode, even when moved in and back.
+    bad = outside / "bad.tfrecord"
+    bad.write_bytes(good[:-3])
+    os.chmod(bad, 0o644)
+    bad_link = tmp_path / "bad-link.tfrecord"
+    os.symlink(bad, bad_link)
+    for path in (bad_link, bad):
+        with pytest.raises(CorruptShardError):
+            id_cache.add_shard(path, move=True)
+        assert stat.S_IMODE(os.stat(bad).st_mode) == 0o644 and os.path.lexists(path)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "/dev/zero", "/dev/null"])
+def test_add_shard_refuses_what_is_not_a_regular_file(tmp_path, id_cache, kind):
+    from growcache.errors import RefusedFileError
+
+    path = str(tmp_path / "thing.tfrecord")
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)  # opening one for reading would wait for a writer forever
+    else:
+        os.symlink(kind, path)
+    for move in (False, True):
+        with pytest.raises(RefusedFileError, match="not a regular file"):
+            id_cache.add_shard(path, move=move)
+        assert os.path.lexists(path)
+    assert id_cache.list_shards() == [] and os.listdir(id_cache.shards_dir) == []
+
+
+def test_add_shard_refuses_a_leased_shard_and_one_of_its_own(tmp_path, id_cache):
+    from growcache.errors import RefusedFileError
+
+    other = Cache(tmp_path / "other", schema=ID_SCHEMA)
+    write_shards(other, [3])
+    write_shards(id_cache, [2], first_id=100)
+    shard = other.list_shards()[0]
+    child = subprocess.Popen([sys.executable, "-c", f"import growcache, time; s = growcache.Cache({other.path!r})"
+                              ".snapshot(holder='reader'); print(len(s), flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "1"
+        for move in (True, False):
+            with pytest.raises(RefusedFileError, match="live lease still holds.*'reader'"):
+                id_cache.add_shard(shard.path, move=move)
+        assert os.path.exists(shard.path)
+    finally:
+        child.kill()
+        child.wait()
+    assert id_cache.add_shard(shard.path).records == 3  # the lease ended: a copy is fine
+    with pytest.raises(RefusedFileError, match="already a shard of cache"):
+        id_cache.add_shard(id_cache.list_shards()[0].path, move=True)
+
+
+_SLAB_OWNER = """
+import sys, time
+from growcache.transport import BatchLayout, Slab
+slab = Slab(BatchLayout.build([("x", "float32", (256,))], 64), slots=4, anonymous=False)
+print(slab.name, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("next_start", ["cache open", "prune", "loader start"])
+def test_shared_memory_of_a_killed_process_group_is_removed_at_the_next_start(tmp_path, next_start):
+    # scancel, docker kill and OOM kills take the whole process group, resource tracker included.
+    import signal
+
+    from growcache.transport import BatchLayout, Slab
+
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    child = subprocess.Popen([sys.executable, "-c", _SLAB_OWNER], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    name = child.stdout.readline().strip()
+    assert name and os.path.exists(f"/dev/shm/{name}")
+    Cache(cache.path)  # the owner lives: its segment stays
+    assert os.path.exists(f"/dev/shm/{name}")
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert os.path.exists(f"/dev/shm/{name}"), "the kill leaves the segment behind"
+    if next_start == "cache open":
+        Cache(cache.path)
+    elif next_start == "prune":
+        cache.prune()
+    else:
+        Slab(BatchLayout.build([("x", "uint8", (1,))], 1), slots=1, anonymous=False).unlink()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _hostname_prefix(name: str) -> tuple[list[str], dict[str, str]]:
+    """A command prefix (and environment) that runs a process under hostname ``name``."""
+    for prefix in (["unshare", "--uts"], ["unshare", "--user", "--map-root-user", "--uts"]):
+        probe = subprocess.run([*prefix, "hostname", name], capture_output=True)
+        if probe.returncode == 0:
+            return [*prefix, "sh", "-c", f'hostname {name} && exec "$0" "$@"'], {}
+    return [], {"GROWCACHE_NODE": name}  # no namespaces here: growcache's documented override
+
+
+def _lease_holder(cache: Cache, expiry: float) -> subprocess.Popen:
+    prefix, env = _hostname_prefix("old-hostname")
+    code = (f"import growcache, time; s = growcache.Cache({cache.path!r}).snapshot(holder='old trainer'); "
+            "print(len(s), flush=True); time.sleep(120)")
+    child = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, GROWCACHE_OWNER_EXPIRY=str(expiry), **env))
+    assert child.stdout.readline().strip() == "2"
+    return child
+
+
+def test_leases_of_a_trainer_restarted_under_a_new_hostname_expire(tmp_path, monkeypatch):
+    import time
+
+    expiry = 1.5
+    monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", str(expiry))
+    cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    child = _lease_holder(cache, expiry)
+    try:
+        write_shards(cache, [8], first_id=100)
+        time.sleep(2.5 * expiry)
+        Cache(cache.path)  # opening removes dead holders' leases; a living holder's heartbeat keeps its own
+        assert cache.stats().leases == 1 and len(cache.list_shards()) == 3
+    finally:
+        child.kill()
+        child.wait()
+    Cache(cache.path)  # just killed: its last heartbeat is still fresh
+    assert cache.stats().leases == 1
+    time.sleep(expiry + 0.5)
+    cache.prune()
+    stats = cache.stats()
+    assert stats.leases == 0 and os.listdir(os.path.join(cache.path, "leases")) == []
+    assert [s.seq for s in cache.list_shards()] == [2, 3] and stats.bytes <= stats.capacity
+
+
+def test_a_stopped_trainer_on_another_machine_loses_its_lease_after_the_expiry_and_says_so(tmp_path, monkeypatch):
+    import signal
+    import time
+
+    expiry = 1.5
+    monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", str(expiry))
+    cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    child = _lease_holder(cache, expiry)
+    try:
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(expiry + 1.0)
+        cache.prune()
+        assert cache.stats().leases == 0
+        child.send_signal(signal.SIGCONT)
+        time.sleep(1.0)  # a few heartbeats: the first one finds its lease gone
+    finally:
+        child.kill()
+        _, err = child.communicate(timeout=30)
+    assert "was removed while this process still held it" in err and "stopped or frozen" in err
