@@ -274,40 +274,99 @@ def _decode_tfrecord_example(features: dict) -> dict:
             "x": np.frombuffer(features["x"], dtype=np.float32)}
 
 
-def _tfrecord_package(indexed: bool):
+def _cuda_torch():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Unavailable(f"needs a CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none")
+    return torch
+
+
+def _to_cuda_count(torch):
+    """Counts a CPU batch after the user's own copy to the GPU, as a training loop moves it:
+    every tensor with ``.to("cuda", non_blocking=True)``; the ids come back to be counted,
+    which waits for the copies."""
+    def count(batch):
+        on_gpu = {k: t.to("cuda", non_blocking=True) for k, t in batch.items()}
+        ids = on_gpu["id"].cpu().numpy()
+        return int(ids.shape[0]), ids
+
+    return count
+
+
+def _tfrecord_package(indexed: bool, workers: int = 2, pin: bool = False):
     def build(size: dict, opts: dict) -> Pipeline:
         import torch
         from tfrecord.torch.dataset import TFRecordDataset
 
+        if pin:
+            _cuda_torch()
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         index_paths = size["index_paths"] if indexed else [None] * len(size["paths"])
         description = {"id": "byte", "x": "byte"}
         dataset = torch.utils.data.ChainDataset(
             [TFRecordDataset(p, i, description, transform=_decode_tfrecord_example)
              for p, i in zip(size["paths"], index_paths)])
-        loader = torch.utils.data.DataLoader(dataset, batch_size=size["batch_size"], num_workers=2)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=size["batch_size"], num_workers=workers,
+                                             pin_memory=pin)
         note = ("ChainDataset of tfrecord.torch.TFRecordDataset(path, index, description, transform) per shard, "
-                f"DataLoader(batch_size, num_workers=2); {'with' if indexed else 'without'} index files")
+                f"DataLoader(batch_size, num_workers={workers}{', pin_memory=True' if pin else ''}); "
+                f"{'with' if indexed else 'without'} index files")
         if not indexed:
             note += ": every worker reads every record"
+        if pin:
+            note += "; each batch .to('cuda', non_blocking=True)"
+            return Pipeline(lambda: loader, _to_cuda_count(torch), note=note)
         return Pipeline(lambda: loader, lambda b: (int(b["id"].shape[0]), b["id"].numpy()), note=note)
 
     return build
 
 
-def _torch_adapter(workers: int):
+def _torch_adapter(workers: int, device: str | None = None, pin: bool = False):
     def build(size: dict, opts: dict) -> Pipeline:
         import torch  # noqa: F401 - the framework this contender measures
 
+        if device or pin:
+            torch = _cuda_torch()
         make_torch_loader = _growcache_attr("make_torch_loader")
         kwargs = dict(opts.get("torch_adapter_kwargs", {}))
+        if device:
+            kwargs["device"] = device
+        if pin:
+            kwargs["pin_memory"] = True
         loader = make_torch_loader(size["cache"], size["batch_size"], num_workers=workers, **kwargs)
         shown = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-        return Pipeline(lambda: loader, lambda b: (int(b["id"].shape[0]), b["id"].numpy()),
-                        note=f"make_torch_loader(cache, batch_size, num_workers={workers}{shown}); other "
-                             "arguments at their defaults")
+        note = f"make_torch_loader(cache, batch_size, num_workers={workers}{shown}); other arguments at their defaults"
+        if pin:
+            return Pipeline(lambda: loader, _to_cuda_count(torch),
+                            note=note + "; each batch .to('cuda', non_blocking=True) by the user")
+        if device:
+            # The ids come back to the host to be counted: that waits for the batch's copy.
+            return Pipeline(lambda: loader, lambda b: (int(b["id"].shape[0]), b["id"].cpu().numpy()),
+                            note=note + "; batches arrive on the GPU")
+        return Pipeline(lambda: loader, lambda b: (int(b["id"].shape[0]), b["id"].numpy()), note=note)
 
     return build
+
+
+def _cuda_ceiling(size: dict, opts: dict) -> Pipeline:
+    """A pinned host buffer of one batch copied to the GPU once per batch: the DMA ceiling."""
+    torch = _cuda_torch()
+    nbytes = size["batch_size"] * size["payload_bytes_per_record"]
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    per_batch = size["batch_size"]
+    batches, rest = divmod(size["records"], per_batch)
+
+    def epoch():
+        for k in range(batches + (1 if rest else 0)):
+            target.copy_(source, non_blocking=True)
+            yield per_batch if k < batches else rest
+        torch.cuda.synchronize()
+
+    return Pipeline(epoch, lambda n: (n, None), checks_ids=False,
+                    note=f"one pinned {nbytes / MiB:.0f} MiB host tensor copied to the GPU per batch "
+                         "(non_blocking, one stream): the host-to-device ceiling")
 
 
 def _webdataset(size: dict, opts: dict) -> Pipeline:
@@ -345,6 +404,27 @@ def versions() -> dict[str, str]:
     return out
 
 
+# Contenders with a worker count in their name (``--workers``, ``--device cuda``).
+SWEPT: dict[str, Callable[[int], Callable[[dict, dict], Pipeline]]] = {
+    "growcache_torch": lambda n: _torch_adapter(n),
+    "growcache_cuda": lambda n: _torch_adapter(n, device="cuda"),
+    "growcache_pinned": lambda n: _torch_adapter(n, pin=True),
+    "tfrecord_pinned": lambda n: _tfrecord_package(True, n, pin=True),
+}
+
+
+def builder(name: str) -> Callable[[dict, dict], Pipeline]:
+    """The builder of contender ``name``: a fixed one, ``cuda_ceiling``, or ``<kind>_<N>w``."""
+    if name in CONTENDERS:
+        return CONTENDERS[name]
+    if name == "cuda_ceiling":
+        return _cuda_ceiling
+    kind, _, workers = name.rpartition("_")
+    if kind in SWEPT and workers.endswith("w") and workers[:-1].isdigit():
+        return SWEPT[kind](int(workers[:-1]))
+    raise KeyError(f"unknown contender {name!r}")
+
+
 def run_contender(spec: dict) -> dict:
     name = spec["contender"]
     monitor = Monitor()
@@ -353,7 +433,7 @@ def run_contender(spec: dict) -> dict:
         for size in spec["sizes"]:
             label = size["label"]
             try:
-                pipeline = CONTENDERS[name](size, spec.get("options", {}))
+                pipeline = builder(name)(size, spec.get("options", {}))
             except Unavailable as exc:
                 return {"contender": name, "available": False, "reason": str(exc), "versions": versions()}
             per_size: dict[str, Any] = {"note": pipeline.note, "warmup": [], "runs": []}

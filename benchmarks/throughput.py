@@ -15,6 +15,17 @@ with ``growcache.Cache(...).writer()``), each contender in a process of its own:
 * ``growcache_torch_1w`` / ``growcache_torch_2w``: ``growcache.make_torch_loader``;
 * ``webdataset``: WebDataset over the same records written as tar shards.
 
+``--workers 2,4,8,12`` replaces the two growcache torch contenders by one per worker count
+(``growcache_torch_<N>w``). ``--device cuda`` adds, per worker count (default 2), the delivery
+to a GPU: ``growcache_cuda_<N>w`` (``make_torch_loader(device="cuda")``),
+``growcache_pinned_<N>w`` (``pin_memory=True`` plus the user's own
+``.to("cuda", non_blocking=True)``), ``tfrecord_pinned_<N>w`` (the ``tfrecord`` package,
+index files, ``DataLoader(N, pin_memory=True)`` plus the same copy) and ``cuda_ceiling`` (one
+pinned batch-sized host tensor copied to the GPU per batch). Their MB/s is payload delivered
+to the GPU. Without CUDA, ``--device cuda`` exits with a message; with ``--update-docs`` a
+GPU run writes its own block of ``docs/benchmarks.md``, so a CPU run never overwrites it and
+the reverse.
+
 Then a growth scenario: a ``SamplerPool`` writes at a set rate into a cache with a small
 byte budget while each adapter trains epoch after epoch.
 
@@ -27,6 +38,7 @@ Usage::
 
     python benchmarks/throughput.py [--total 2GiB] [--repeats 3] [--json out.json] [--plots DIR]
                                     [--dir SCRATCH] [--update-docs] [--quick]
+                                    [--workers 2,4,8,12] [--device cuda]
 """
 
 from __future__ import annotations
@@ -73,6 +85,38 @@ CONTENDERS = {
     "webdataset": ("WebDataset tars + WebLoader(2)", "torch"),
 }
 TORCH_ADAPTERS = ("growcache_torch_1w", "growcache_torch_2w")
+# Contenders named ``<kind>_<N>w`` for any worker count N: kind -> (label, framework).
+SWEPT = {
+    "growcache_torch": ("growcache make_torch_loader, {n} workers", "torch"),
+    "growcache_cuda": ("growcache make_torch_loader(device='cuda'), {n} workers", "torch"),
+    "growcache_pinned": ("growcache pin_memory=True + own .to('cuda'), {n} workers", "torch"),
+    "tfrecord_pinned": ("tfrecord pkg + DataLoader({n}, pin_memory=True), index files", "torch"),
+}
+GPU_KINDS = ("growcache_cuda", "growcache_pinned", "tfrecord_pinned")
+CEILING = ("cuda_ceiling", ("pinned host tensor -> GPU (the ceiling)", "torch"))
+# GPU targets (issue 12), 8 workers: device='cuda' vs the same run's no-copy delivery, vs the
+# tfrecord package with pin_memory=True (1 MiB), and its training-process CPU.
+GPU_TARGET_VS_NO_COPY = 0.8
+GPU_TARGET_VS_TFRECORD = {"1MiB": 4.0}
+GPU_TARGET_CPU_S_PER_GB = 0.05
+
+
+def contender_info(name: str) -> tuple[str, str]:
+    """(label in tables, framework) of contender ``name``; ``KeyError`` if there is none."""
+    if name in CONTENDERS:
+        return CONTENDERS[name]
+    if name == CEILING[0]:
+        return CEILING[1]
+    kind, _, workers = name.rpartition("_")
+    if kind in SWEPT and workers.endswith("w") and workers[:-1].isdigit():
+        label, framework = SWEPT[kind]
+        return label.format(n=int(workers[:-1])), framework
+    raise KeyError(name)
+
+
+def _workers(name: str) -> int | None:
+    tail = name.rpartition("_")[2]
+    return int(tail[:-1]) if tail.endswith("w") and tail[:-1].isdigit() else None
 
 # (target name, record size) -> minimum ratio, or maximum CPU s/GB
 TARGETS_MIN_RATIO = {"torch_vs_tf_adapter": 1.0, "torch_vs_tfrecord_indexed": 2.0, "tf_vs_handwritten": 0.95}
@@ -95,8 +139,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run the whole list of contenders this many times, each time in fresh processes, "
                              "and pool the epochs: on a shared machine, a burst of someone else's load then "
                              "hits every contender alike (default 1)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help="comma-separated subset of: " + ", ".join(CONTENDERS))
+    parser.add_argument("--contenders", default=None,
+                        help="comma-separated subset of: " + ", ".join(CONTENDERS) + ", cuda_ceiling, or "
+                             + ", ".join(f"{k}_<N>w" for k in SWEPT) + " (default: all of the first list, "
+                             "adjusted by --workers and --device)")
+    parser.add_argument("--workers", default=None,
+                        help="worker counts for the torch contenders, e.g. 2,4,8,12: growcache_torch_<N>w (and with "
+                             "--device cuda the GPU contenders) for each (default: 1 and 2 workers; 2 on the GPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda adds the GPU delivery contenders and writes its own docs block (default cpu)")
     parser.add_argument("--dir", default=None,
                         help="keep shard sets here and reuse them when the parameters match "
                              "(default: a temporary directory, removed at the end)")
@@ -123,10 +174,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.growth_seconds, args.growth_rate, args.growth_budget = 2, "16MB", "4MiB"
         args.growth_shard, args.growth_record, args.growth_step_ms = "512KiB", "64KiB", 5
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    try:
+        counts = [int(n) for n in args.workers.split(",")] if args.workers else None
+    except ValueError:
+        parser.error(f"--workers takes worker counts such as 2,4,8,12, got {args.workers!r}")
+    if counts is not None and min(counts) < 1:
+        parser.error("--workers counts must be >= 1")
+    if args.contenders is None:
+        names = list(CONTENDERS)
+        if counts:
+            at = names.index(TORCH_ADAPTERS[0])
+            names[at:at + len(TORCH_ADAPTERS)] = [f"growcache_torch_{n}w" for n in counts]
+        if args.device == "cuda":
+            names += [f"{kind}_{n}w" for n in counts or [2] for kind in GPU_KINDS] + [CEILING[0]]
+        args.contenders = ",".join(names)
+    unknown = set()
+    for name in args.contenders.split(","):
+        try:
+            contender_info(name)
+        except KeyError:
+            unknown.add(name)
     if unknown:
-        parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}, cuda_ceiling, "
+                     + ", ".join(f"{k}_<N>w" for k in SWEPT))
+    args.gpu = _require_cuda(parser) if args.device == "cuda" else None
     return args
+
+
+def _require_cuda(parser: argparse.ArgumentParser) -> str:
+    """The GPU's name; a usage error unless torch sees a CUDA device (asked in a child
+    process: this process imports no framework)."""
+    probe = ("import torch; ok = torch.cuda.is_available(); print(torch.__version__, torch.version.cuda, ok); "
+             "print(torch.cuda.get_device_name(0) if ok else '')")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        parser.error("--device cuda: asking torch for a CUDA device timed out")
+    lines = out.stdout.splitlines()
+    words = lines[0].split() if lines else []
+    if out.returncode != 0 or len(words) != 3:
+        parser.error(f"--device cuda needs torch, which failed to import: {out.stderr.strip()[-300:]}")
+    if words[2] != "True":
+        parser.error(f"--device cuda needs a CUDA device, and torch {words[0]} (CUDA {words[1]}) sees none: run it on "
+                     "a GPU machine, or leave --device out to measure the CPU contenders")
+    return lines[1].strip() if len(lines) > 1 else "?"
 
 
 # ---------------------------------------------------------------------------- shard sets
@@ -320,7 +411,8 @@ def evaluate_targets(figures: dict) -> list[dict]:
         return entry["MBps"]["median"] if entry else None
 
     for label in figures:
-        torch_best = max(TORCH_ADAPTERS, key=lambda n: mbps(label, n) or -1.0)
+        adapters = [n for n in figures[label] if n in TORCH_ADAPTERS or n.startswith("growcache_torch_")]
+        torch_best = max(adapters or TORCH_ADAPTERS, key=lambda n: mbps(label, n) or -1.0)
         torch = mbps(label, torch_best)
         tf_adapter, handwritten = mbps(label, "growcache_tf"), mbps(label, "tf_handwritten")
         indexed, plain = mbps(label, "tfrecord_indexed"), mbps(label, "plain_read")
@@ -346,6 +438,18 @@ def evaluate_targets(figures: dict) -> list[dict]:
                 higher_is_better=False, unit=" s/GB")
         add("tf_vs_handwritten", "growcache_tf / tf_handwritten",
             tf_adapter / handwritten if tf_adapter and handwritten else None, TARGETS_MIN_RATIO["tf_vs_handwritten"])
+        for name in [n for n in figures[label] if n.startswith("growcache_cuda_")]:
+            n = _workers(name)
+            gpu = mbps(label, name)
+            no_copy, pinned_tfrecord = mbps(label, f"growcache_torch_{n}w"), mbps(label, f"tfrecord_pinned_{n}w")
+            add("gpu_vs_no_copy", f"{name} / growcache_torch_{n}w (no device copy, same run)",
+                gpu / no_copy if gpu and no_copy else None, GPU_TARGET_VS_NO_COPY)
+            add("gpu_train_cpu", f"{name}: training-process CPU s/GB",
+                figures[label][name]["train_cpu_s_per_GB"]["median"], GPU_TARGET_CPU_S_PER_GB,
+                higher_is_better=False, unit=" s/GB")
+            if label in GPU_TARGET_VS_TFRECORD:
+                add("gpu_vs_tfrecord_pinned", f"{name} / tfrecord_pinned_{n}w",
+                    gpu / pinned_tfrecord if gpu and pinned_tfrecord else None, GPU_TARGET_VS_TFRECORD[label])
     return targets
 
 
@@ -361,7 +465,7 @@ def contender_table(results: dict) -> str:
     for label, per in results["figures"].items():
         for name in results["contenders"]:
             raw = results["raw"].get(name, {})
-            title = CONTENDERS[name][0]
+            title = contender_info(name)[0]
             fig = per.get(name)
             if fig is None:
                 lines.append(f"| {label} | {title} | — | — | — | — | — | — | — | unavailable: "
@@ -376,7 +480,7 @@ def contender_table(results: dict) -> str:
                 notes.append(f"incomplete: {fig['unique_records']} of {fig['records_expected']} records")
             if name == "tf_raw_records":
                 notes.append("not parsed")
-            if CONTENDERS[name][1] == "tensorflow":
+            if contender_info(name)[1] == "tensorflow":
                 notes.append("train CPU includes TF's C++ threads")
             lines.append(
                 f"| {label} | {title} | {m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f}) | "
@@ -435,7 +539,7 @@ def plot(results: dict, directory: str) -> list[str]:
                [per[n]["MBps"]["max"] - m for n, m in zip(names, med)]]
         colors = ["tab:green" if n.startswith("growcache") else "tab:gray" for n in names]
         ax.barh(range(len(names)), med, xerr=err, color=colors, capsize=3)
-        ax.set_yticks(range(len(names)), [CONTENDERS[n][0] for n in names], fontsize=8)
+        ax.set_yticks(range(len(names)), [contender_info(n)[0] for n in names], fontsize=8)
         ax.invert_yaxis()
         if "plain_read" in per:
             limit = per["plain_read"]["MBps"]["median"]
@@ -446,7 +550,7 @@ def plot(results: dict, directory: str) -> list[str]:
     fig.suptitle(f"Read throughput, {results['machine']['cpus']} cores, page cache "
                  f"{results['page_cache']['state']}", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(directory, "throughput.png")
+    path = os.path.join(directory, _plot_name(results))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
@@ -474,7 +578,7 @@ def plot(results: dict, directory: str) -> list[str]:
             bottom.set_ylabel("MiB")
             bottom.legend(fontsize=8)
         fig.tight_layout()
-        path = os.path.join(directory, "growth.png")
+        path = os.path.join(directory, _plot_name(results, "growth"))
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -505,6 +609,17 @@ def machine() -> dict:
 
 DOC_BEGIN = "<!-- throughput:begin (generated by benchmarks/throughput.py --update-docs) -->"
 DOC_END = "<!-- throughput:end -->"
+# A GPU run (--device cuda) has a block of its own: neither kind of run overwrites the other.
+GPU_DOC_BEGIN = "<!-- throughput-gpu:begin (generated by benchmarks/throughput.py --device cuda --update-docs) -->"
+GPU_DOC_END = "<!-- throughput-gpu:end -->"
+
+
+def _on_gpu(results: dict) -> bool:
+    return results.get("args", {}).get("device") == "cuda"
+
+
+def _plot_name(results: dict, what: str = "throughput") -> str:
+    return f"{what}-gpu.png" if _on_gpu(results) else f"{what}.png"
 
 
 def markdown(results: dict) -> str:
@@ -517,6 +632,7 @@ def markdown(results: dict) -> str:
         "",
         f"Machine: {m['cpus']} cores ({m.get('cpu_model', '?')}), {m.get('memory_GiB', 0):.0f} GiB memory, "
         f"{m['platform']}, Python {m['python']}, load average {m['load_before'][0]:.2f} before the run; "
+        + (f"GPU: {results['args']['gpu']}; " if results["args"].get("gpu") else "")
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",
         f"Data: {data}. "
@@ -548,15 +664,16 @@ def markdown(results: dict) -> str:
 def update_docs(results: dict, docs_dir: str) -> None:
     img = os.path.join(docs_dir, "img")
     plot(results, img)
-    block = [DOC_BEGIN, "", markdown(results), "", "![Throughput per contender](img/throughput.png)", ""]
+    begin, end = (GPU_DOC_BEGIN, GPU_DOC_END) if _on_gpu(results) else (DOC_BEGIN, DOC_END)
+    block = [begin, "", markdown(results), "", f"![Throughput per contender](img/{_plot_name(results)})", ""]
     if any(v.get("available") for v in results.get("growth", {}).values()):
-        block += ["![Growth scenario](img/growth.png)", ""]
-    block.append(DOC_END)
+        block += [f"![Growth scenario](img/{_plot_name(results, 'growth')})", ""]
+    block.append(end)
     path = os.path.join(docs_dir, "benchmarks.md")
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n" + DOC_BEGIN + "\n" + DOC_END + "\n"
-    if DOC_BEGIN in text and DOC_END in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        tail = rest.split(DOC_END, 1)[1]
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n" + begin + "\n" + end + "\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
         text = head + "\n".join(block) + tail
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"
@@ -568,7 +685,7 @@ def update_docs(results: dict, docs_dir: str) -> None:
 # --------------------------------------------------------------------------------- main
 def main(args: argparse.Namespace) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    names = [n for n in CONTENDERS if n in args.contenders.split(",")]
+    names = list(dict.fromkeys(args.contenders.split(",")))
     root = args.dir or tempfile.mkdtemp(prefix="growcache-throughput-")
     os.makedirs(root, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="run-", dir=root)
