@@ -1,18 +1,30 @@
-"""The ``growcache`` command line. Exit codes: 0 ok, 1 failure, 2 usage error."""
+"""The ``growcache`` command line. Exit codes: 0 ok, 1 failure, 2 usage error.
+
+Each subcommand is one entry of :data:`COMMANDS`: its name, a one-line help, a function
+that adds its arguments and the function that runs it. A new subcommand is a new entry.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import logging
 import os
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+
+from ._progress import DEFAULT_INTERVAL, Progress
 from ._size import format_size, parse_size
-from .errors import GrowcacheError
+from .errors import GrowcacheError, SchemaError
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "main", "parse_storage_options", "run_sample_command"]
 
 logger = logging.getLogger("growcache")
 
@@ -27,11 +39,43 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message}")
 
 
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments(parser)`` declares its flags, ``run(args)`` returns the exit code."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
 def _size_arg(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _progress_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or status lines")
+    parser.add_argument("--status-interval", type=_positive_float, default=DEFAULT_INTERVAL, metavar="S",
+                        help="without a terminal (nohup, SLURM, CI logs), write a one-line status every S seconds "
+                             f"instead of a bar (default: {DEFAULT_INTERVAL:g})")
+
+
+def _progress(args: argparse.Namespace, desc: str, **kwargs: Any) -> Progress:
+    return Progress(desc, interval=getattr(args, "status_interval", DEFAULT_INTERVAL),
+                    quiet=getattr(args, "quiet", False), **kwargs)
 
 
 def _existing_cache(path: str):
@@ -48,6 +92,11 @@ def _time(ts: float | None) -> str:
     return "-" if ts is None else _dt.datetime.fromtimestamp(ts).isoformat(timespec="seconds")
 
 
+# -- status, verify, prune ----------------------------------------------------------------------
+def _status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="the cache directory")
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     cache = _existing_cache(args.path)
     s = cache.stats()
@@ -61,6 +110,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("evicted", f"{s.evicted} shards, {format_size(s.evicted_bytes)}"),
         ("leases", f"{s.leases} live, holding {s.leased_shards} shards ({format_size(s.leased_bytes)})"),
         ("temporaries", f"{s.temporaries} shards being written"),
+        *((("irregular", f"{path}: not a regular file, ignored by readers and eviction; remove it by hand")
+           for path in getattr(s, "irregular", ()))),
         ("oldest", _time(s.oldest_publish_time)),
         ("newest", _time(s.newest_publish_time)),
     ]
@@ -70,22 +121,42 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="the cache directory")
+    p.add_argument("--remove-corrupt", action="store_true", help="delete corrupt shards no lease holds")
+    _progress_arguments(p)
 
+
+def _cmd_verify(args: argparse.Namespace) -> int:
     cache = _existing_cache(args.path)
     shards = cache.list_shards()
-    with tqdm(total=sum(s.nbytes for s in shards), unit="B", unit_scale=True, desc="verify",
-              disable=args.quiet or None) as bar:
-        report = cache.verify(remove_corrupt=args.remove_corrupt, progress=lambda s: bar.update(s.nbytes))
+    done = 0
+
+    with _progress(args, "verify", total=sum(s.nbytes for s in shards), unit="B") as progress:
+        def checked(shard: Any) -> None:
+            nonlocal done
+            done += shard.nbytes
+            progress.update(done)
+
+        report = cache.verify(remove_corrupt=args.remove_corrupt, progress=checked)
     for error in report.corrupt:
         print(f"CORRUPT {error.path} at byte offset {error.offset}: {error.reason}")
     for path in report.foreign:
         print(f"FOREIGN {path}: not a growcache shard; it is ignored by readers and can be deleted")
+    for path in getattr(report, "irregular", ()):
+        print(f"IRREGULAR {path}: not a regular file; it is ignored by readers and eviction and can be deleted")
     for path in report.removed:
         print(f"REMOVED {path}")
+    for path in getattr(report, "kept_leased", ()):
+        print(f"KEPT {path}: corrupt, but a live lease holds it (an epoch is reading it); run verify "
+              "--remove-corrupt again once that epoch ends")
     print(f"{report.shards} shards, {report.records} records checked, {len(report.corrupt)} corrupt")
     return 0 if report.ok else 1
+
+
+def _prune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="the cache directory")
+    p.add_argument("--to", type=_size_arg, default=None, help="target size, e.g. 10GB (default: the capacity)")
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -96,68 +167,57 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sample(args: argparse.Namespace) -> int:
-    from .sampler import run_sample_command
+# -- sample ---------------------------------------------------------------------------------------
+def parse_storage_options(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:
+    """``["a=1", "client_kwargs.endpoint_url=http://h"]`` -> nested dict; values parsed as JSON if they are.
 
-    try:
-        return run_sample_command(args)
-    except ValueError as exc:  # a bad --storage-option, --shape or window given on the command line
-        if isinstance(exc, GrowcacheError):
-            raise
-        raise _UsageError(str(exc)) from exc
+    Values are credentials often, so no message ever shows one: a malformed option is
+    named by its key, or by its position when it has no key.
+
+    Raises:
+        ValueError: an option is not ``KEY=VALUE``, a value that starts like JSON does not
+            parse, or a key is set both to a value and to nested keys.
+    """
+    options: dict[str, Any] = {}
+    for position, pair in enumerate(pairs or [], 1):
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip() or any(c.isspace() for c in key):
+            raise ValueError(
+                f"{flag} number {position} is not KEY=VALUE (its text is not shown: it may hold a credential). "
+                f"Write {flag} KEY=VALUE, nested keys with dots: client_kwargs.endpoint_url=https://..."
+            )
+        try:
+            value: Any = json.loads(raw)
+        except ValueError as exc:
+            if raw.lstrip()[:1] in ("{", "[", '"'):
+                raise ValueError(
+                    f"{flag} {key}: the value starts like JSON but does not parse ({exc.msg} at character "
+                    f"{exc.pos}; the value is not shown: it may hold a credential). Quote it for the shell, "
+                    f"e.g. {flag} '{key}={{\"name\": \"value\"}}', or set nested keys one by one with dots."
+                ) from None
+            value = raw
+        node = options
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{flag} {key}: {part} is already set to a value; set either {part} or its keys")
+        if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+            raise ValueError(f"{flag} {key}: its nested keys are set already; set either {key} or its keys")
+        node[leaf] = value
+    return options
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    try:
-        return run_demo(args)
-    except ValueError as exc:  # a bad --cache, --capacity, --shard-size or --storage-option
-        if isinstance(exc, GrowcacheError):
-            raise
-        raise _UsageError(str(exc)) from exc
+def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) -> None:
+    if shard_size is None or capacity is None:
+        return
+    shard_bytes, capacity_bytes = parse_size(shard_size, name="--shard-size"), parse_size(capacity, name="--capacity")
+    if shard_bytes > capacity_bytes:
+        raise ValueError(f"--shard-size {shard_size} is larger than the cache's capacity of {capacity_bytes} bytes: "
+                         "lower --shard-size or raise --capacity")
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    # The benchmark suite lives in the source checkout (benchmarks/), not in the wheel.
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "throughput.py")
-    if not os.path.exists(script):
-        raise _UsageError(f"growcache bench runs benchmarks/throughput.py from a source checkout; {script} is missing")
-    spec = importlib.util.spec_from_file_location("growcache_throughput", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, os.path.dirname(script))
-    spec.loader.exec_module(module)
-    try:
-        module.main(module.parse_args(args.bench_args))
-    except SystemExit as exc:  # --help, or the benchmark's own usage error
-        return 2 if exc.code not in (0, None) else 0
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    parser = _Parser(prog="growcache", description="Grow a local TFRecord cache of a remote dataset and read it.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log growcache at DEBUG level (store libraries stay at INFO: their DEBUG logs name credentials)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("status", help="shards, bytes, records, leases and budget use of a cache")
-    p.add_argument("path")
-    p.set_defaults(func=_cmd_status)
-
-    p = sub.add_parser("verify", help="check every CRC; exit 1 and list corrupt shards with offsets")
-    p.add_argument("path")
-    p.add_argument("--remove-corrupt", action="store_true", help="delete corrupt shards no lease holds")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_verify)
-
-    p = sub.add_parser("prune", help="remove abandoned temporaries and evict oldest shards down to a size")
-    p.add_argument("path")
-    p.add_argument("--to", type=_size_arg, default=None, help="target size, e.g. 10GB (default: the capacity)")
-    p.set_defaults(func=_cmd_prune)
-
-    p = sub.add_parser("sample", help="grow a cache from a store URL with sampler processes until Ctrl-C or --records")
+def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="fsspec URL or glob of the objects, e.g. s3://bucket/arrays/*.npy")
     p.add_argument("cache", help="the cache directory (created if missing)")
     p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
@@ -169,38 +229,265 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None, help="shape of raw objects, e.g. 256,256")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to fsspec; nested keys with dots (client_kwargs.endpoint_url=http://...); repeatable")
-    p.add_argument("--records", type=int, default=None, help="stop after this many records (default: run until Ctrl-C)")
+    p.add_argument("--records", type=int, default=None,
+                   help="sample this many records, publish them (the last shards may be small) and stop "
+                        "(default: run until Ctrl-C)")
     p.add_argument("--shard-size", type=_size_arg, default=None, help="rotate shards at this size (default: the pool's)")
     p.add_argument("--max-shard-age", type=float, default=10.0, help="rotate shards after this many seconds (default: 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the samplers' random streams (default: 0)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_sample)
+    p.add_argument("--retries", type=int, default=None, metavar="N",
+                   help="tries per store request, the first included (default: RetryPolicy's, 6)")
+    p.add_argument("--retry-deadline", type=_positive_float, default=None, metavar="S",
+                   help="no retry of a failing store request starts after S seconds (default: RetryPolicy's, 30)")
+    p.add_argument("--stall-timeout", type=_positive_float, default=None, metavar="S",
+                   help="a store connection that sends no bytes for S seconds fails and is retried "
+                        "(default: RetryPolicy's, 30)")
+    _progress_arguments(p)
 
-    from .demo import add_demo_arguments
 
-    p = sub.add_parser("demo", help="the whole product on an embedded store: sample, cache, train, per-epoch table")
-    add_demo_arguments(p)
-    p.set_defaults(func=_cmd_demo)
+def _retry_policy(args: Any) -> Any:
+    from .sources import RetryPolicy
 
-    # Its flags belong to benchmarks/throughput.py; main() hands them over untouched.
-    sub.add_parser("bench", help="framework throughput benchmark (benchmarks/throughput.py; --help for its flags)",
-                   add_help=False)
+    fields = {name: getattr(args, flag, None) for name, flag in
+              (("attempts", "retries"), ("deadline", "retry_deadline"), ("stall_timeout", "stall_timeout"))}
+    if fields["attempts"] is not None and fields["attempts"] < 1:
+        raise ValueError(f"--retries must be at least 1, got {fields['attempts']}")
+    return RetryPolicy(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _mismatch_hint(args: Any, schema: Any, sample: dict[str, Any]) -> str:
+    """How a ``growcache sample`` user makes the source fit the cache's schema."""
+    feature = getattr(args, "feature", "x")
+    if feature not in schema:
+        return f"--feature names the stored feature: the cache stores {list(schema)}"
+    stored, given = schema[feature], np.asarray(sample[feature])
+    hints = []
+    if given.shape != stored.shape:
+        if getattr(args, "window", None) is not None and given.shape[1:] == stored.shape[1:] and stored.shape:
+            hints.append(f"--window {stored.shape[0]} gives the stored shape")
+        elif getattr(args, "shape", None) is not None:
+            hints.append(f"--shape {','.join(map(str, stored.shape))} gives the stored shape")
+        else:
+            hints.append("the store's arrays have another shape")
+    if given.dtype != stored.dtype:
+        hints.append(f"--dtype {stored.dtype.name} decodes raw objects as the stored dtype"
+                     if getattr(args, "dtype", None) is not None else "the store's arrays have another dtype")
+    return "; ".join(hints) + ". A cache keeps one schema: give a new cache directory for other data"
+
+
+def run_sample_command(args: Any) -> int:
+    """``growcache sample``: grow a cache from a source URL until Ctrl-C or ``--records``.
+
+    ``args`` carries the flags of ``growcache sample`` (missing optional ones take their
+    defaults). When the cache has no schema yet, it is taken from one sample drawn here;
+    when it has one, that sample must fit it. Both check the store before any worker starts,
+    so a store that cannot be reached, or data of another shape, is one error, at once.
+
+    Returns:
+        0 when it stopped as asked (``--records`` reached or Ctrl-C).
+
+    Raises:
+        ValueError: a usage error (the CLI exits 2).
+        GrowcacheError: the store, the source or the samplers failed (the CLI exits 1).
+    """
+    from .cache import Cache
+    from .sampler import SamplerPool, describe_mismatch
+    from .schema import Schema
+    from .sources import open_source
+
+    shape = getattr(args, "shape", None)
+    if isinstance(shape, str):
+        shape = tuple(int(d) for d in shape.replace("x", ",").split(",") if d.strip())
+    # ValueErrors here are usage errors: the CLI reports them and exits 2.
+    if (getattr(args, "dtype", None) is None) != (shape is None):
+        raise ValueError("--dtype and --shape go together: raw objects need both; .npy objects need neither")
+    workers = getattr(args, "workers", 1)
+    if workers is None or workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    seed = getattr(args, "seed", 0) or 0
+    if seed < 0:
+        raise ValueError(f"--seed must be 0 or more, got {seed}")
+    target = getattr(args, "records", None)
+    if target is not None and target < 1:
+        raise ValueError(f"--records must be at least 1, got {target}")
+    shard_size = getattr(args, "shard_size", None)
+    _check_shard_size(shard_size, getattr(args, "capacity", None))
+    options = parse_storage_options(getattr(args, "storage_option", None))
+    source = open_source(args.source, window=getattr(args, "window", None), feature=getattr(args, "feature", "x"),
+                         dtype=getattr(args, "dtype", None), shape=shape, storage_options=options,
+                         retry=_retry_policy(args))
+    cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
+    probe = source(np.random.default_rng(seed))
+    if cache.schema is None:
+        schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
+        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
+        logger.info("cache %s: schema %r taken from the source", cache.path, schema)
+    else:
+        problem = describe_mismatch(cache.schema, probe)
+        if problem is not None:
+            raise SchemaError(f"{source.redact(args.source)} does not fit cache {cache.path}: {problem}. "
+                              f"{_mismatch_hint(args, cache.schema, probe)}.")
+    _check_shard_size(shard_size, cache.capacity)
+    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
+                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed, stop_after=target)
+    interrupted = False
+    with _progress(args, "sample", total=target, unit="rec") as progress:
+        pool.start()
+        try:
+            while True:
+                pool.raise_if_failed()
+                s = pool.stats()
+                cs = cache.stats()
+                progress.update(s.records_written, f"{s.records} published, {format_size(s.mb_per_s * 1e6)}/s, "
+                                                   f"cache {format_size(cs.bytes)} of {format_size(cs.capacity)}, "
+                                                   f"{cs.evicted} evicted")
+                if s.finished:
+                    break
+                time.sleep(0.25)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            final = pool.stop(raise_on_failure=False)
+    if final.failed:
+        pool.raise_if_failed()
+    cs = cache.stats()
+    print(f"{'interrupted: ' if interrupted else ''}sampled {final.records} records in {final.shards} shards "
+          f"({format_size(final.bytes)}) into {cache.path}; it holds {cs.records} records in {cs.shards} shards "
+          f"({format_size(cs.bytes)} of {format_size(cs.capacity)})")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    try:
+        return run_sample_command(args)
+    except ValueError as exc:  # a bad --storage-option, --shape or window given on the command line
+        if isinstance(exc, GrowcacheError):
+            raise
+        raise _UsageError(str(exc)) from exc
+
+
+# -- demo -----------------------------------------------------------------------------------------
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--framework", choices=["torch", "tf", "both"], default="torch",
+                   help="which adapter trains (default torch; 'both' runs each in turn on the same cache)")
+    p.add_argument("--source", default=None,
+                   help="fsspec URL/glob of .npy arrays (default: an embedded local store, created on first run)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for --source (repeatable)")
+    p.add_argument("--workdir", default=".growcache-demo", help="where the embedded store and cache live")
+    p.add_argument("--cache", default=None, help="cache directory (default: WORKDIR/cache)")
+    p.add_argument("--capacity", default="24MB", help="cache byte budget (default 24MB)")
+    p.add_argument("--shard-size", default="2MB", help="bytes per shard (default 2MB)")
+    p.add_argument("--epochs", type=int, default=8, help="epochs per framework (default 8)")
+    p.add_argument("--workers", type=int, default=2, help="sampler processes (default 2)")
+    p.add_argument("--loader-workers", type=int, default=1, help="DataLoader workers (default 1)")
+    p.add_argument("--batch-size", type=int, default=32)
+    # 2 workers x 2 MB/s fill the 24 MB default budget in about four 1.5 s epochs: the table
+    # shows the cache growing, then evicting.
+    p.add_argument("--store-mbps", type=float, default=2.0,
+                   help="bandwidth per sampler worker, to act like a remote store (default 2; 0 = unthrottled)")
+    p.add_argument("--epoch-seconds", type=float, default=1.5,
+                   help="minimum seconds per epoch: the tiny model trains fast, this lets the cache grow")
+    p.add_argument("--quick", action="store_true", help="3 short epochs (for tests)")
+    _progress_arguments(p)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    try:
+        # Bad arguments are ValueErrors: usage errors, exit 2.
+        args.storage_options = parse_storage_options(args.storage_option)
+        parse_size(args.capacity, name="--capacity")
+        parse_size(args.shard_size, name="--shard-size")
+        return run_demo(args)
+    except ValueError as exc:  # also a --cache that is not a cache
+        if isinstance(exc, GrowcacheError):
+            raise
+        raise _UsageError(str(exc)) from exc
+
+
+# -- bench ----------------------------------------------------------------------------------------
+_BENCH = os.path.join("benchmarks", "throughput.py")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    # The benchmark suite lives in the source checkout, not in the wheel. It runs in a process
+    # of its own, as it does from the shell: its contenders import TensorFlow and torch.
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(checkout, _BENCH)
+    if not os.path.exists(script):
+        raise _UsageError(
+            f"growcache bench runs {_BENCH} from a source checkout of growcache, and this growcache "
+            f"({os.path.dirname(os.path.abspath(__file__))}) was installed without one. Clone the growcache "
+            f"repository, then run `make venv` and `.venv/bin/growcache bench` (or `python {_BENCH}`) in it."
+        )
+    command = [sys.executable, script, *args.bench_args]
+    if {"-h", "--help"} & set(args.bench_args):
+        result = subprocess.run(command, capture_output=True, text=True)
+        sys.stdout.write(result.stdout.replace("usage: throughput.py", "usage: growcache bench"))
+        sys.stderr.write(result.stderr.replace("throughput.py: error", "growcache bench: error"))
+        return result.returncode
+    return subprocess.run(command).returncode
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="FLAGS",
+                   help=f"flags of {_BENCH} (growcache bench --help lists them)")
+
+
+COMMANDS: list[Command] = [
+    Command("status", "shards, bytes, records, leases and budget use of a cache", _status_arguments, _cmd_status),
+    Command("verify", "check every CRC; exit 1 and list corrupt shards with offsets", _verify_arguments, _cmd_verify),
+    Command("prune", "remove abandoned temporaries and evict oldest shards down to a size", _prune_arguments,
+            _cmd_prune),
+    Command("sample", "grow a cache from a store URL with sampler processes until Ctrl-C or --records",
+            _sample_arguments, _cmd_sample),
+    Command("demo", "the whole product on an embedded store: sample, cache, train, per-epoch table",
+            _demo_arguments, _cmd_demo),
+    Command("bench", f"framework throughput benchmark ({_BENCH} of a source checkout; --help for its flags)",
+            _bench_arguments, _cmd_bench),
+]
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = _Parser(prog="growcache", description="Grow a local TFRecord cache of a remote dataset and read it.")
+    parser.add_argument("--version", action="version", version=f"growcache {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log growcache at DEBUG level (store libraries stay at INFO: their DEBUG logs name credentials)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for command in COMMANDS:
+        # bench passes every flag, --help included, to the benchmark script.
+        p = sub.add_parser(command.name, help=command.help, description=command.help,
+                           add_help=command.name != "bench")
+        command.add_arguments(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``growcache`` command with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     if argv[:1] == ["bench"]:
         args = argparse.Namespace(command="bench", func=_cmd_bench, bench_args=argv[1:], verbose=False)
     else:
         try:
-            args = build_parser().parse_args(argv)
+            args = parser.parse_args(argv)
         except _UsageError as exc:
             print(exc, file=sys.stderr)
             return 2
-        except SystemExit as exc:  # --help
+        except SystemExit as exc:  # --help, --version
             return int(exc.code or 0)
+        if args.command is None:  # bare `growcache`: what it can do
+            parser.print_help(sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.verbose:
         # growcache's own loggers only: store libraries (botocore) log request headers at DEBUG,

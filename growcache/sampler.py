@@ -20,17 +20,25 @@ Worker exit reasons, and what the pool does:
   or a death without a report: restart, up to ``max_restarts`` times per worker in 10 minutes;
 * any other exception (a bug in a sample function, a schema mismatch, a permanent
   :class:`~growcache.SourceError`): the pool fails at once, since a restart would fail
-  the same way.
+  the same way;
+* ``stop_after`` records sampled: the worker publishes its shard in progress and exits;
+  it is not restarted.
+
+Workers start without re-running the user's script (``__main__``) when the source pickles
+without reference to it: each worker then imports only the modules the source needs, not
+what the script imports at its top (TensorFlow costs about 500 MB and seconds per worker).
+A source defined in the script itself needs the script, so its workers re-run it, and the
+pool warns once.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import pickletools
 import queue
 import signal
 import sys
@@ -45,23 +53,26 @@ import numpy as np
 
 from ._size import format_size, parse_size
 from .cache import Cache
-from .errors import CacheFullError, SamplerError, SchemaError, TransientSourceError
+from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES
 from .sources import Source, as_source
 from .writer import remove_abandoned_temporaries
 
-__all__ = ["SamplerPool", "SamplerStats", "run_sample_command", "worker_rng"]
+__all__ = ["SamplerPool", "SamplerStats", "describe_mismatch", "worker_rng"]
 
 logger = logging.getLogger(__name__)
 
 # Per-worker slots of the shared counter array; each worker writes only its own slots.
-_RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB = range(7)
-_NSLOTS = 7
+_RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB, _CLAIMED, _DONE = range(9)
+_NSLOTS = 9
 _POLL_S = 0.05
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
+# After stop(), a worker still inside one sample call this long is interrupted (a silent store).
+_INTERRUPT_AFTER_S = 0.5
+_MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
 
 
 def worker_rng(seed: int, worker: int, restart: int, run: int = 0) -> np.random.Generator:
@@ -92,6 +103,7 @@ class SamplerStats:
         last_error: the last error a worker reported or died of, or ``None``.
         failed: the pool gave up; :meth:`SamplerPool.raise_if_failed` raises.
         worker_peak_rss: peak resident memory of each worker slot, in bytes.
+        finished: every worker stopped by itself after the pool's ``stop_after`` records.
     """
 
     records: int
@@ -108,6 +120,7 @@ class SamplerStats:
     last_error: str | None
     failed: bool
     worker_peak_rss: tuple[int, ...]
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,7 @@ class _WorkerConfig:
     record_frame: int
     log_level: int
     run: int = 0
+    stop_after: int | None = None
 
 
 class SamplerPool:
@@ -151,6 +165,11 @@ class SamplerPool:
         max_restarts: restarts allowed per worker within 10 minutes before the pool fails;
             older restarts no longer count, so a long-running pool survives outages that
             are far apart. Default: ``3``.
+        stop_after: sample this many records in all, then stop: each worker publishes its
+            shard in progress, however small, and exits. Records of a shard a dead worker
+            lost are sampled again, so the pool publishes exactly this many unless it is
+            stopped first. :meth:`join` waits for the end. ``None`` samples until
+            :meth:`stop`. Default: ``None``.
 
     Raises:
         CacheFullError: ``shard_size`` is larger than the cache's capacity.
@@ -169,6 +188,7 @@ class SamplerPool:
         max_shard_age: float | None = 10.0,
         seed: int = 0,
         max_restarts: int = 3,
+        stop_after: int | None = None,
     ) -> None:
         if cache.schema is None:
             raise SchemaError(
@@ -181,6 +201,9 @@ class SamplerPool:
             raise ValueError(f"max_shard_age must be positive seconds or None, got {max_shard_age!r}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
+        if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)
+                                       or stop_after < 1):
+            raise ValueError(f"stop_after must be a positive number of records or None, got {stop_after!r}")
         if shard_size is None:
             # A small cache still gets a few shards' worth of rotation without configuration.
             size = min(DEFAULT_SHARD_SIZE, max(1, cache.capacity // 4))
@@ -199,7 +222,8 @@ class SamplerPool:
             )
         source = as_source(source)
         try:
-            pickle.loads(pickle.dumps(source))
+            pickled = pickle.dumps(source)
+            pickle.loads(pickled)
         except Exception as exc:
             raise TypeError(
                 f"the source {source!r} must pickle to reach the sampler processes, but pickling failed: {exc}. "
@@ -214,9 +238,12 @@ class SamplerPool:
             raise ValueError(f"seed must be 0 or more, got {seed}")
         self.seed = int(seed)
         self.max_restarts = max_restarts
+        self.stop_after = stop_after
         self._config = _WorkerConfig(cache, source, self.seed, size, max_shard_age, frame,
-                                     logging.getLogger("growcache").getEffectiveLevel())
+                                     logging.getLogger("growcache").getEffectiveLevel(), stop_after=stop_after)
         self._ctx = mp.get_context("spawn")
+        self._needs_main = _refers_to_main(pickled)
+        self._quota: Any = None
         self._counters: Any = None
         self._events: Any = None
         self._stop_event: Any = None
@@ -234,6 +261,7 @@ class SamplerPool:
         self._started_at: float | None = None
         self._stopped_at: float | None = None
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._finished: set[int] = set()
         self._state = "new"  # new -> running -> stopped
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -262,6 +290,8 @@ class SamplerPool:
         if self._state == "stopped":
             raise RuntimeError("this SamplerPool was stopped; create a new SamplerPool to sample again")
         self._counters = self._ctx.Array("q", self.workers * _NSLOTS, lock=False)
+        # Records left to sample; workers claim one under its lock before each sample.
+        self._quota = self._ctx.Value("q", self.stop_after or 0)
         self._events = self._ctx.Queue()
         self._stop_event = self._ctx.Event()
         self._config = replace(self._config, run=self.cache._next_sampler_run())
@@ -277,10 +307,15 @@ class SamplerPool:
 
     def _spawn(self, index: int) -> None:
         """Assumes you hold ``self._lock``."""
-        proc = self._ctx.Process(
+        if self._needs_main:
+            _warn_main_once(self.source)
+            process_class = self._ctx.Process
+        else:
+            process_class = _WorkerProcess
+        proc = process_class(
             target=_worker_main,
             args=(self._config, index, self._restarts[index], self._counters, self._events, self._stop_event,
-                  os.getpid()),
+                  os.getpid(), self._quota),
             name=f"growcache-sampler-{index}",
             daemon=True,  # dies with the training process if stop() is never called
         )
@@ -329,9 +364,12 @@ class SamplerPool:
             logger.info("sampler pool stopped: %s", self._summary())
         elif self._state == "new":
             self._state = "stopped"
-        if raise_on_failure and self._failure is not None and not self._failure_reported:
+        if self._failure is not None and not self._failure_reported:
             self._failure_reported = True
-            raise self._failure
+            if raise_on_failure:
+                raise self._failure
+            # Not raised (another exception ends the caller's block): the log is its one report.
+            logger.error("sampler pool failed: %s", self._last_error)
         return self.stats()
 
     # -- monitoring (a thread of the training process) -------------------------------------
@@ -356,6 +394,12 @@ class SamplerPool:
             proc.join()
             self._remove_temporaries()
             report = self._reports.pop(index, None)
+            if report is None and proc.exitcode == 0 and self._counters[index * _NSLOTS + _DONE]:
+                with self._lock:  # sampled its part of stop_after and published it: not restarted
+                    self._procs[index] = None
+                    self._finished.add(index)
+                continue
+            self._refund(index)
             if self._stop_event.is_set():
                 with self._lock:
                     self._procs[index] = None
@@ -389,6 +433,17 @@ class SamplerPool:
                                self.max_restarts, _RESTART_WINDOW_S)
                 self._spawn(index)
 
+    def _refund(self, index: int) -> None:
+        """Return a dead worker's claimed but unpublished records to the ``stop_after`` quota."""
+        if self.stop_after is None:
+            return
+        base = index * _NSLOTS
+        with self._quota.get_lock():
+            lost = self._counters[base + _CLAIMED] - self._counters[base + _PUB_RECORDS]
+            if lost > 0:
+                self._quota.value += lost
+                self._counters[base + _CLAIMED] -= lost
+
     def _drain_events(self) -> None:
         """Move worker reports from the queue into ``self._reports`` (latest per worker)."""
         while True:
@@ -398,13 +453,16 @@ class SamplerPool:
                 return
             self._reports[event["worker"]] = event
             self._last_error = event["summary"]
-            logger.info("sampler %s", event["summary"])
+            # The restart warning or the raised SamplerError reports it: one line, not one per worker.
+            logger.debug("sampler %s", event["summary"])
 
     def _fail(self, index: int, report: Mapping[str, Any]) -> None:
         if self._failure is not None:
             return
         message = report["summary"]
-        if report.get("traceback"):
+        # growcache's own errors (a schema mismatch, a store error) say all in their message;
+        # a user's sample function needs its traceback.
+        if report.get("traceback") and not report.get("growcache_error"):
             message += "\n\nWorker traceback:\n" + report["traceback"]
         error = SamplerError(message)
         if report.get("exception") is not None:
@@ -416,7 +474,7 @@ class SamplerPool:
         error.worker_traceback = report.get("traceback", "")  # type: ignore[attr-defined]
         self._failure = error
         self._last_error = report["summary"]
-        logger.error("sampler pool failed: %s", report["summary"])
+        logger.debug("sampler pool failed: %s", report["summary"])
         self._stop_event.set()  # the other workers stop too: the pool never limps on silently
 
     def _remove_temporaries(self) -> None:
@@ -460,6 +518,7 @@ class SamplerPool:
                 (self._counters[i * _NSLOTS + _PEAK_RSS_KB] * 1024 if self._counters is not None else 0)
                 for i in range(self.workers)
             ),
+            finished=self.stop_after is not None and len(self._finished) == self.workers,
         )
 
     @property
@@ -501,6 +560,11 @@ class SamplerPool:
                 return s
             if self._state != "running":
                 raise RuntimeError(f"the SamplerPool is {self._state}: call start() (or use `with`) first")
+            if s.finished:
+                raise RuntimeError(
+                    f"waited for {records} records / {shards} shards, but the pool finished: it sampled its "
+                    f"stop_after={self.stop_after} records and published {s.records} in {s.shards} shards"
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"waited {timeout} s for {records} records / {shards} shards; the pool published "
@@ -508,6 +572,56 @@ class SamplerPool:
                     f"last error: {s.last_error}). Raise the timeout, add workers or check the source."
                 )
             time.sleep(_POLL_S)
+
+
+    def join(self, timeout: float | None = None) -> SamplerStats:
+        """Block until every worker has sampled its part of ``stop_after`` and published it.
+
+        Raises:
+            SamplerError: the pool failed (at once, not at the end).
+            TimeoutError: ``timeout`` seconds passed first.
+            RuntimeError: the pool has no ``stop_after``, or is not running.
+        """
+        if self.stop_after is None:
+            raise RuntimeError("join() waits for stop_after records; this pool samples until stop()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.raise_if_failed()
+            s = self.stats()
+            if s.finished:
+                return s
+            if self._state != "running":
+                raise RuntimeError(f"the SamplerPool is {self._state}: call start() (or use `with`) first")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout} s for {self.stop_after} records; the pool published "
+                                   f"{s.records} so far (last error: {s.last_error})")
+            time.sleep(_POLL_S)
+
+
+def _refers_to_main(pickled: bytes) -> bool:
+    """True if a pickle names an object of the user's script, which a worker can only load by running it."""
+    for opcode, arg, _ in pickletools.genops(pickled):
+        if opcode.name in ("GLOBAL", "INST") and str(arg).split(" ", 1)[0] in _MAIN_MODULES:
+            return True
+        if isinstance(arg, str) and arg in _MAIN_MODULES:  # the module name STACK_GLOBAL pops
+            return True
+    return False
+
+
+_warned_main = False
+
+
+def _warn_main_once(source: Source) -> None:
+    global _warned_main
+    if _warned_main:
+        return
+    _warned_main = True
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    logger.warning(
+        "the sampler source %s is defined in %s, so every sampler process re-runs that script's top-level "
+        "code when it starts, imports included (TensorFlow or torch cost hundreds of MB and seconds per "
+        "worker). Move the source or sample function into a module of its own and import it; see "
+        "docs/pitfalls.md.", source.redact(repr(source)), script)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -520,6 +634,71 @@ def _exit_reason(code: int | None) -> str:
 
 
 # -- the worker process ---------------------------------------------------------------------
+def _preparation_without_main(name: str) -> dict[str, Any]:
+    """What ``spawn`` tells a child about its parent, less the instruction to re-run ``__main__``."""
+    from multiprocessing import spawn
+
+    data = spawn.get_preparation_data(name)
+    data.pop("init_main_from_path", None)
+    data.pop("init_main_from_name", None)
+    return data
+
+
+try:
+    from multiprocessing import popen_spawn_posix, spawn as _spawn, util as _mp_util
+    from multiprocessing.context import reduction as _reduction, set_spawning_popen as _set_spawning_popen
+
+    class _PopenWithoutMain(popen_spawn_posix.Popen):
+        """``spawn``'s launcher, except that the child does not re-run the parent's script.
+
+        The child still gets the parent's ``sys.path``, working directory and authkey, so
+        every module the pickled worker arguments name imports as usual. Only
+        ``_launch``'s preparation data differs from CPython's own (3.8 to 3.13).
+        """
+
+        def _launch(self, process_obj: Any) -> None:
+            import io
+
+            from multiprocessing import resource_tracker
+
+            tracker_fd = resource_tracker.getfd()
+            self._fds.append(tracker_fd)
+            prep_data = _preparation_without_main(process_obj._name)
+            fp = io.BytesIO()
+            _set_spawning_popen(self)
+            try:
+                _reduction.dump(prep_data, fp)
+                _reduction.dump(process_obj, fp)
+            finally:
+                _set_spawning_popen(None)
+            parent_r = child_w = child_r = parent_w = None
+            try:
+                parent_r, child_w = os.pipe()
+                child_r, parent_w = os.pipe()
+                cmd = _spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+                self._fds.extend([child_r, child_w])
+                self.pid = _mp_util.spawnv_passfds(_spawn.get_executable(), cmd, self._fds)
+                self.sentinel = parent_r
+                with open(parent_w, "wb", closefd=False) as f:
+                    f.write(fp.getbuffer())
+            finally:
+                fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
+                self.finalizer = _mp_util.Finalize(self, _mp_util.close_fds, fds_to_close)
+                for fd in (child_r, child_w):
+                    if fd is not None:
+                        os.close(fd)
+
+    class _WorkerProcess(mp.context.SpawnProcess):
+        _start_method = "spawn"
+
+        @staticmethod
+        def _Popen(process_obj: Any) -> Any:
+            return _PopenWithoutMain(process_obj)
+
+except ImportError:  # no POSIX spawn launcher (Windows): workers re-run the script as usual
+    _WorkerProcess = mp.get_context("spawn").Process  # type: ignore[misc,assignment]
+
+
 class _Terminated(BaseException):
     """Raised in a worker by SIGTERM, so that the shard in progress is discarded on the way out."""
 
@@ -549,8 +728,16 @@ def _peak_rss_kb() -> int:
         return 0
 
 
+class _Interrupted(BaseException):
+    """Raised in a worker stuck in a sample call after stop(), so that it publishes and exits.
+
+    A BaseException, so that no ``except Exception`` of a store client or of the retries
+    takes it for a store error.
+    """
+
+
 def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, events: Any, stop_event: Any,
-                 parent_pid: int) -> None:
+                 parent_pid: int, quota: Any = None) -> None:
     # Ctrl-C reaches the whole process group: the training process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -566,12 +753,25 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
         # The parent may die without calling stop(): never outlive it.
         return stop_event.is_set() or os.getppid() != parent_pid
 
+    def claim() -> bool:
+        """Take one record of the stop_after quota; False when it is used up."""
+        if cfg.stop_after is None:
+            return True
+        with quota.get_lock():
+            if quota.value <= 0:
+                return False
+            quota.value -= 1
+            counters[base + _CLAIMED] += 1
+            return True
+
+    sampling = _SampleWatch(stopping)
     writer = None
     source = cfg.source
     try:
         cache, rng = cfg.cache, worker_rng(cfg.seed, index, restart, cfg.run)
         opened = 0.0
         sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
+        first = True
 
         def publish() -> None:
             nonlocal writer
@@ -593,10 +793,19 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
             if (writer is not None and cfg.max_shard_age is not None
                     and time.monotonic() - opened + sample_s >= cfg.max_shard_age):
                 publish()
+            if not claim():
+                break
             start = time.monotonic()
-            sample = source(rng)
+            try:
+                with sampling:
+                    sample = source(rng)
+            except _Interrupted:
+                break  # stop() came while a store call hung: publish what is written
             took = time.monotonic() - start
             sample_s = took if sample_s == 0.0 else 0.8 * sample_s + 0.2 * took
+            if first:
+                _check_first_sample(cache, source, sample)
+                first = False
             if writer is None:
                 writer = cache.writer(should_stop=stopping)
                 opened = time.monotonic()
@@ -608,16 +817,101 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
         if writer is not None:
             publish()  # the shard in progress is finished: published if it fits without waiting
         counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
+        if cfg.stop_after is not None and not stopping():
+            counters[base + _DONE] = 1  # the quota is used up: the parent does not restart this worker
     except _Terminated:
         pass  # the finally below discards the shard in progress
     except BaseException as exc:
         _report(events, source, index, restart, exc)
         raise SystemExit(1) from None
     finally:
+        sampling.close()
         if writer is not None:
             writer.abort()
         events.close()
         events.join_thread()  # the report must reach the pipe before the process exits
+
+
+class _SampleWatch:
+    """Interrupts the worker's main thread when it is still inside a sample call after stop().
+
+    A store that accepts a connection and never answers can hold a read for as long as its
+    stall timeout. stop() must not wait for that: a watcher thread sends SIGUSR1 to the main
+    thread, whose handler raises :class:`_Interrupted` only while a sample call is running.
+    """
+
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        self._stopping = stopping
+        self._since: float | None = None  # when the running sample call started
+        self._closed = threading.Event()
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGUSR1, self._on_signal)
+        threading.Thread(target=self._watch, name="growcache-sample-watch", daemon=True).start()
+
+    def __enter__(self) -> None:
+        self._since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self._since = None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._since is not None:
+            self._since = None
+            raise _Interrupted()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.1):
+            since = self._since
+            if since is not None and self._stopping() and time.monotonic() - since > _INTERRUPT_AFTER_S:
+                signal.pthread_kill(self._main, signal.SIGUSR1)
+                self._closed.wait(1.0)
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def _check_first_sample(cache: Cache, source: Source, sample: Mapping[str, Any]) -> None:
+    """Raise a SchemaError whose hint fits the API when a source's first sample does not match the cache."""
+    problem = describe_mismatch(cache.schema, sample)
+    if problem is None:
+        return
+    hints = []
+    if not isinstance(sample, Mapping) or sample.keys() != cache.schema.keys():
+        hints.append(f"return exactly the stored features {list(cache.schema)}")
+    else:
+        given = {name: np.asarray(sample[name]) for name in cache.schema}
+        if any(given[n].shape != cache.schema[n].shape for n in given):
+            hints.append("return arrays of the stored shapes (an NpyWindowSource's window= sets the first dimension)")
+        if any(given[n].dtype.newbyteorder("=") != cache.schema[n].dtype.newbyteorder("=") for n in given):
+            hints.append("convert dtypes in the sample function (arr.astype(...))")
+    raise SchemaError(
+        f"{source.redact(repr(source))} does not fit cache {cache.path}: {problem}. To fix it, "
+        f"{' and '.join(hints)}, or sample into a new cache: a cache keeps one schema."
+    )
+
+
+def describe_mismatch(schema: Any, sample: Mapping[str, Any]) -> str | None:
+    """How ``sample`` differs from ``schema`` (features, dtypes, shapes), or ``None`` if it fits.
+
+    Args:
+        schema: the cache's :class:`~growcache.Schema`.
+        sample: one sample, a dict of feature name -> array.
+    """
+    if not isinstance(sample, Mapping):
+        return f"a sample is a dict of arrays, the source gave {type(sample).__name__}"
+    missing = [n for n in schema if n not in sample]
+    extra = [n for n in sample if n not in schema]
+    if missing or extra:
+        return (f"the cache stores features {list(schema)}, the source gives {sorted(map(str, sample))}"
+                + (f" (missing {missing})" if missing else "") + (f" (not in the cache: {extra})" if extra else ""))
+    problems = []
+    for name in schema:
+        spec = schema[name]
+        array = np.asarray(sample[name])
+        if array.dtype.newbyteorder("=") != spec.dtype.newbyteorder("=") or array.shape != spec.shape:
+            problems.append(f"feature {name!r}: the cache stores dtype {spec.dtype.name} shape {spec.shape}, "
+                            f"the source gives dtype {array.dtype.name} shape {array.shape}")
+    return "; ".join(problems) or None
 
 
 def _report(events: Any, source: Source, index: int, restart: int, exc: BaseException) -> None:
@@ -630,102 +924,5 @@ def _report(events: Any, source: Source, index: int, restart: int, exc: BaseExce
     except Exception:
         pickled = None
     events.put({"worker": index, "restart": restart, "transient": isinstance(exc, TransientSourceError),
-                "summary": summary, "traceback": text, "exception": pickled})
-
-
-# -- command line -----------------------------------------------------------------------------
-def _parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["a=1", "client_kwargs.endpoint_url=http://h"]`` -> nested dict; values parsed as JSON if they are."""
-    options: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--storage-option {pair!r}: write KEY=VALUE (nested keys with dots: client_kwargs.x=y)")
-        try:
-            value: Any = json.loads(raw)
-        except ValueError:
-            value = raw
-        node = options
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--storage-option {key}: {part} is already set to a value")
-        node[leaf] = value
-    return options
-
-
-def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) -> None:
-    if shard_size is None or capacity is None:
-        return
-    shard_bytes, capacity_bytes = parse_size(shard_size, name="--shard-size"), parse_size(capacity, name="--capacity")
-    if shard_bytes > capacity_bytes:
-        raise ValueError(f"--shard-size {shard_size} is larger than the cache's capacity of {capacity_bytes} bytes: "
-                         "lower --shard-size or raise --capacity")
-
-
-def run_sample_command(args: Any) -> int:
-    """``growcache sample``: grow a cache from a source URL until Ctrl-C or ``--records``.
-
-    ``args`` carries: ``source`` (URL or glob), ``cache`` (directory), ``capacity``,
-    ``workers``, ``window``, ``feature``, ``dtype``, ``shape``, ``storage_option`` (list of
-    KEY=VALUE), ``records``, ``shard_size``, ``max_shard_age``, ``seed``, ``quiet``. When the
-    cache has no schema yet, it is taken from one sample drawn here.
-
-    Returns:
-        0 when it stopped as asked (``--records`` reached or Ctrl-C), 1 on failure.
-    """
-    from tqdm import tqdm
-
-    from .schema import Schema
-    from .sources import open_source
-
-    shape = getattr(args, "shape", None)
-    if isinstance(shape, str):
-        shape = tuple(int(d) for d in shape.replace("x", ",").split(",") if d.strip())
-    # ValueErrors here are usage errors: the CLI reports them and exits 2.
-    if (getattr(args, "dtype", None) is None) != (shape is None):
-        raise ValueError("--dtype and --shape go together: raw objects need both; .npy objects need neither")
-    workers = getattr(args, "workers", 1)
-    if workers is None or workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    seed = getattr(args, "seed", 0) or 0
-    if seed < 0:
-        raise ValueError(f"--seed must be 0 or more, got {seed}")
-    shard_size = getattr(args, "shard_size", None)
-    _check_shard_size(shard_size, getattr(args, "capacity", None))
-    options = _parse_storage_options(getattr(args, "storage_option", None))
-    source = open_source(args.source, window=getattr(args, "window", None), feature=getattr(args, "feature", "x"),
-                         dtype=getattr(args, "dtype", None), shape=shape, storage_options=options)
-    cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
-    if cache.schema is None:
-        probe = source(np.random.default_rng(seed))
-        schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
-        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
-        logger.info("cache %s: schema %r taken from the source", cache.path, schema)
-    target = getattr(args, "records", None)
-    _check_shard_size(shard_size, cache.capacity)
-    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
-                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed)
-    interrupted = False
-    with tqdm(total=target, unit="rec", desc="sample", disable=getattr(args, "quiet", False) or None) as bar:
-        pool.start()
-        try:
-            while True:
-                pool.raise_if_failed()
-                s = pool.stats()
-                bar.update(s.records - bar.n)
-                cs = cache.stats()
-                bar.set_postfix_str(f"{s.mb_per_s:.1f} MB/s, cache {format_size(cs.bytes)}/"
-                                    f"{format_size(cs.capacity)}, evicted {cs.evicted}", refresh=False)
-                if target is not None and s.records >= target:
-                    break
-                time.sleep(0.25)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            final = pool.stop(raise_on_failure=False)
-    if final.failed:
-        pool.raise_if_failed()
-    logger.info("%s%s", "interrupted: " if interrupted else "", pool._summary())
-    return 0
+                "summary": summary, "traceback": text, "exception": pickled,
+                "growcache_error": isinstance(exc, GrowcacheError)})

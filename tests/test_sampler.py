@@ -6,18 +6,21 @@ import io
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
-from stores import S3Server, free_port, s3, s3_server  # noqa: F401
+from stores import S3Server, SilentServer, free_port, s3, s3_server  # noqa: F401
 
 from growcache import Cache, Schema
 from growcache.eviction import choose_evictions_fifo
 from growcache.errors import CacheFullError, SamplerError, SchemaError, SourceError, TransientSourceError
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
-from growcache.sampler import SamplerPool, _parse_storage_options, worker_rng
+from growcache.cli import parse_storage_options
+from growcache.sampler import SamplerPool, worker_rng
 from growcache.shard import TMP_PREFIX
 from growcache.sources import NpyWindowSource, RetryPolicy
 
@@ -203,12 +206,18 @@ def test_failure_surfaces_from_stop_and_with_block(cache):
             raise KeyError("the trainer's own error")
 
 
-def test_schema_mismatch_names_feature_expected_and_actual(cache):
+def test_schema_mismatch_is_reported_once_with_a_hint_that_fits(cache, caplog):
+    caplog.set_level(logging.INFO, logger="growcache")
     with pytest.raises(SamplerError) as info:
-        with SamplerPool(cache, wrong_shape_sample) as pool:
+        with SamplerPool(cache, wrong_shape_sample, workers=2) as pool:
             pool.wait_for(records=1, timeout=60)
-    assert "feature 'x': expected dtype float32 shape (64,), got dtype float32 shape (63,)" in str(info.value)
+    message = str(info.value)
+    assert "feature 'x': the cache stores dtype float32 shape (64,), the source gives dtype float32 shape (63,)" in message
+    assert "window=" in message and "astype" not in message, "a shape mismatch gets a shape hint"
+    assert "Worker traceback" not in message, "growcache's own error says all; the traceback stays an attribute"
+    assert "wrong_shape_sample" in info.value.worker_traceback
     assert isinstance(info.value.__cause__, SchemaError)
+    assert not [r for r in caplog.records if "does not fit" in r.getMessage()], "raised, so not logged as well"
     assert cache.list_shards() == [] and temporaries(cache) == []
 
 
@@ -345,10 +354,10 @@ def test_store_down_for_good_is_retried_restarted_then_raised(s3_server, tmp_pat
 
 
 def test_storage_option_parsing():
-    assert _parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
+    assert parse_storage_options(["anon=true", "client_kwargs.endpoint_url=http://h:9", "key=abc"]) == {
         "anon": True, "client_kwargs": {"endpoint_url": "http://h:9"}, "key": "abc"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        _parse_storage_options(["novalue"])
+        parse_storage_options(["novalue"])
 
 
 def test_throughput_benchmark_quick(tmp_path):
@@ -374,7 +383,7 @@ def test_throughput_benchmark_quick(tmp_path):
 def test_run_sample_command_takes_the_schema_from_the_source(tmp_path):
     import argparse
 
-    from growcache.sampler import run_sample_command
+    from growcache.cli import run_sample_command
 
     remote = tmp_path / "remote"
     remote.mkdir()
@@ -391,3 +400,117 @@ def test_run_sample_command_takes_the_schema_from_the_source(tmp_path):
     for record in records:
         first = int(record["x"][0, 0]) // 3
         assert np.array_equal(record["x"], rows[first:first + 4])
+
+
+# -- stop_after -----------------------------------------------------------------------------
+def test_stop_after_samples_exactly_that_many_and_publishes_partial_shards(cache):
+    # Shards far larger than the quota: the records are published by the stop, not by rotation.
+    pool = SamplerPool(cache, stream_sample, workers=2, shard_size="8MB", max_shard_age=None, stop_after=37)
+    with pool:
+        final = pool.join(timeout=60)
+        assert final.finished and final.records == 37 and final.records_written == 37
+        with pytest.raises(RuntimeError, match="the pool finished"):
+            pool.wait_for(records=38, timeout=10)
+        time.sleep(0.3)
+        assert pool.stats().restarts == 0 and pool.pids == [], "finished workers are not restarted"
+    assert cache.stats().records == 37 and temporaries(cache) == []
+    with pytest.raises(ValueError, match="stop_after"):
+        SamplerPool(cache, stream_sample, stop_after=0)
+    with pytest.raises(RuntimeError, match="stop_after"):
+        SamplerPool(cache, stream_sample).join()
+
+
+def test_stop_after_resamples_what_a_killed_worker_lost(cache):
+    pool = SamplerPool(cache, slow_sample, workers=1, shard_size="8MB", max_shard_age=None, stop_after=30).start()
+    try:
+        _wait(lambda: pool.stats().records_written >= 5)
+        victim = pool.pids[0]
+        os.kill(victim, signal.SIGKILL)  # its shard in progress is lost
+        final = pool.join(timeout=60)
+    finally:
+        pool.stop()
+    assert final.restarts == 1 and final.records == 30 == cache.stats().records
+    assert final.records_written > 30, "the lost records were sampled again"
+
+
+# -- workers start without re-running the user's script ------------------------------------
+_SCRIPT = """
+import sys, time
+{top}
+import numpy as np
+import growcache
+from growcache.sampler import SamplerPool
+from growcache.sources import NpyWindowSource
+
+if __name__ == "__main__":
+    np.save(sys.argv[1] + "/a.npy", np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
+    cache = growcache.Cache(sys.argv[1] + "/cache", capacity="16MB", schema={{"x": ("float32", (4, 16))}})
+    source = {source}
+    with SamplerPool(cache, source, workers={workers}, shard_size="64KB", stop_after=50) as pool:
+        stats = pool.join(timeout=120)
+    print("RSS", max(stats.worker_peak_rss) // 2**20, "RECORDS", stats.records)
+"""
+
+
+def _run_script(tmp_path, **fields) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(**fields))
+    return subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+
+
+def test_a_worker_does_not_import_what_the_script_imports(tmp_path):
+    result = _run_script(tmp_path, top="import tensorflow as tf", workers=1,
+                         source='NpyWindowSource(f"file://{sys.argv[1]}/a.npy", 4)')
+    assert result.returncode == 0, result.stderr[-3000:]
+    rss = int(result.stdout.split("RSS")[1].split()[0])
+    assert "RECORDS 50" in result.stdout
+    assert 0 < rss < 120, f"a sampler worker used {rss} MB: it imported the script's TensorFlow"
+    assert "re-runs that script" not in result.stderr
+
+
+def test_a_source_defined_in_the_script_still_works_and_warns_once(tmp_path):
+    top = ("import numpy\n"
+           "def sample(rng):\n"
+           "    return {'x': numpy.full((4, 16), rng.integers(9), numpy.float32)}")
+    result = _run_script(tmp_path, top=top, workers=2, source="sample")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RECORDS 50" in result.stdout
+    assert result.stderr.count("re-runs that script") == 1 and "pitfalls.md" in result.stderr
+
+
+# -- a store that accepts connections and never replies ------------------------------------
+def test_a_silent_store_shows_in_last_error_and_fails_the_pool(tmp_path):
+    cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
+    policy = RetryPolicy(attempts=2, initial_delay=0.05, max_delay=0.1, stall_timeout=0.5, deadline=5)
+    with SilentServer() as silent:
+        options = {"key": "silent-key", "secret": "silent-secret", "client_kwargs": {"endpoint_url": silent.endpoint}}
+        source = NpyWindowSource("s3://growcache-test/a.npy", 8, storage_options=options, retry=policy)
+        pool = SamplerPool(cache, source, workers=1, max_restarts=1).start()
+        try:
+            _wait(lambda: pool.stats().last_error is not None)
+            assert "sent no bytes for 0.5 s" in pool.stats().last_error
+            with pytest.raises(SamplerError, match="sent no bytes.*restarted 1 times") as info:
+                pool.wait_for(records=1, timeout=60)
+            assert isinstance(info.value.__cause__, TransientSourceError)
+        finally:
+            pool.stop(raise_on_failure=False)
+
+
+def test_stop_returns_soon_when_a_worker_is_stuck_in_a_silent_read(tmp_path):
+    cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
+    patient = RetryPolicy(stall_timeout=120, deadline=300)  # the read would hang for 2 minutes
+    with SilentServer() as silent:
+        source = NpyWindowSource(f"{silent.endpoint}/a.npy", 8, retry=patient)
+        pool = SamplerPool(cache, source, workers=2).start()
+        try:
+            _wait(lambda: silent.connections >= 2 and len(pool.pids) == 2)
+            pids = pool.pids
+            time.sleep(0.3)
+            start = time.monotonic()
+            final = pool.stop()
+            took = time.monotonic() - start
+        finally:
+            pool.stop(raise_on_failure=False)
+    assert took < 10, f"stop() took {took:.1f} s"
+    assert all(gone(pid) for pid in pids) and not final.failed and temporaries(cache) == []

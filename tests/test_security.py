@@ -31,7 +31,8 @@ from conftest import ID_SCHEMA, id_sample, write_shards
 from growcache import Cache, CacheFormatError, CorruptShardError, SamplerError, SourceError
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
-from growcache.sampler import SamplerPool, run_sample_command
+from growcache.cli import run_sample_command
+from growcache.sampler import SamplerPool
 from growcache.shard import ShardInfo
 from growcache.sources import ObjectSource, RetryPolicy
 
