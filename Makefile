@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24" "setuptools>=77" wheel
 	$(BIN)/python -m pip install -q $(CPU_FRAMEWORKS) "tfrecord>=1.14"
-	$(BIN)/python -m pip install -q -e ".[test,s3,gcs,bench]"
+	$(BIN)/python -m pip install -q $(CPU_FRAMEWORKS) -e ".[test,test-trainers,s3,gcs,bench]"
 	touch $(STAMP)
 
 # TensorFlow and the `tfrecord` package cannot share one process (both register

@@ -24,7 +24,7 @@ from .errors import (
     SchemaMismatchError,
 )
 from .eviction import EvictionPolicy, choose_evictions_fifo
-from .example import ExampleCodec
+from .example import ExampleCodec, RecordChecker
 from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
 from .records import check_records, iter_records
 from .schema import Schema
@@ -381,14 +381,18 @@ class Cache:
         The one place that decides what ``add_shard`` accepts: a check for another kind of
         file goes here.
         """
-        codec = ExampleCodec(self.schema)  # type: ignore[arg-type]
+        from .importer import compressed_file_message, detect_compression
+
+        with open(tmp, "rb") as f:
+            compression = detect_compression(f.read(64))
+        if compression is not None:  # not corrupt: `growcache import` reads it
+            raise CompressedFileError(compressed_file_message(source, compression, self.path))
+        checker = RecordChecker(ExampleCodec(self.schema), source)  # type: ignore[arg-type]
         records = 0
         for offset, record in iter_records(tmp, verify=True):
-            try:
-                codec.payload_views(record)
-            except (SchemaError, ValueError) as exc:
-                raise SchemaError(f"{source} at byte offset {offset}: {exc}") from exc
+            checker.check(record, offset)
             records += 1
+        checker.flush()
         if records == 0:
             raise CorruptShardError(source, 0, "the file holds no records")
         return records

@@ -23,6 +23,7 @@ from growcache import Cache, Schema  # noqa: E402
 _TEST_EXTRA = "pip install -e '.[test]' (the [test] extra)"
 _CPU_TORCH = ("pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU wheel, as `make test` "
               "installs it; the [test] extra leaves torch out so that it never pulls a CUDA build)")
+_TRAINERS = "pip install -e '.[test-trainers]' after a CPU torch (tests/integrations need Lightning and Accelerate)"
 _TENSORFLOW = "pip install tensorflow-cpu (as `make test` does), or pip install -e '.[tf]'"
 
 #: Top-level module -> what installs it, for modules the suite needs everywhere.
@@ -30,6 +31,7 @@ REQUIRED = {
     "torch": _CPU_TORCH,
     **{name: _TEST_EXTRA for name in ("tfrecord", "moto", "s3fs", "gcsfs", "gcp_storage_emulator", "hypothesis",
                                       "psutil", "matplotlib", "webdataset", "pytest_timeout")},
+    **{name: _TRAINERS for name in ("lightning", "accelerate")},
 }
 #: Modules whose absence may skip outside CI, but fails the run under ``CI=true``.
 REQUIRED_IN_CI = {"tensorflow": _TENSORFLOW, "keras": _TENSORFLOW}
