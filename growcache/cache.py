@@ -18,6 +18,7 @@ from . import _proc
 from ._size import parse_size
 from .errors import (
     CacheFullError,
+    CompressedFileError,
     CorruptShardError,
     RefusedFileError,
     SchemaError,
@@ -266,8 +267,9 @@ class Cache:
         target's content is copied, and the target is never moved or changed.
 
         Args:
-            path: the TFRecord file; each record a ``tf.train.Example`` with one raw
-                bytes feature per schema feature.
+            path: the TFRecord file; each record a ``tf.train.Example`` that follows the
+                schema (in its encodings; entries in any order). Compressed files are
+                refused: ``growcache import`` decompresses them.
             move: move the file in rather than copy it, where that is safe (a regular file
                 on the same filesystem with no other hard link, owned by this user); otherwise
                 its content is copied. The path given is removed once the shard is published
@@ -276,6 +278,7 @@ class Cache:
 
         Raises:
             CorruptShardError: a CRC mismatch or truncation (file, offset).
+            CompressedFileError: the file is GZIP- or ZLIB-compressed.
             SchemaError: a record does not follow the cache's schema.
             CacheFullError: the file is larger than the whole capacity.
             RefusedFileError: ``path`` is not a regular file (a directory, device, FIFO or

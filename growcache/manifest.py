@@ -7,6 +7,7 @@ Layout of a cache directory::
     .lock            the file lock around every change
     shards/          published shards, and .tmp-* files being written
     leases/          one JSON file per live snapshot
+    sources/         one JSON file per shard source: its passes, claims, remote shards held
 
 State files are JSON: nothing read from a cache is ever unpickled. Every value read is
 checked for type and range before use. Damaged metadata (``growcache.json``) is refused
@@ -41,6 +42,7 @@ STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
 SHARDS_DIR = "shards"
 LEASES_DIR = "leases"
+SOURCES_DIR = "sources"
 # Counters that only grow; their default is 0. ``next_seq`` (default 1) is kept apart.
 _COUNTERS = ("published", "published_bytes", "evicted", "evicted_bytes", "sampler_runs")
 
@@ -95,6 +97,7 @@ class Manifest:
         self.lock_path = os.path.join(root, LOCK_FILE)
         self.shards_dir = os.path.join(root, SHARDS_DIR)
         self.leases_dir = os.path.join(root, LEASES_DIR)
+        self.sources_dir = os.path.join(root, SOURCES_DIR)
 
     # -- layout -----------------------------------------------------------------------------
     def make_layout(self, mode: int) -> None:
@@ -134,10 +137,42 @@ class Manifest:
 
         Assumes you hold the lock: every such write happens under it, so none is in progress.
         """
-        for directory in (self.root, self.leases_dir):
+        for directory in (self.root, self.leases_dir, self.sources_dir):
             for entry in _scandir(directory):
                 if _WRITE_TEMP.search(entry.name) and _is_regular(entry):
                     _unlink_quiet(entry.path)
+
+    # -- shard sources ----------------------------------------------------------------------
+    def read_source_state(self, key: str) -> dict[str, Any] | None:
+        """The state of the shard source ``key`` (a hex digest), or ``None`` if it has none yet.
+
+        Raises:
+            CacheFormatError: the file is damaged.
+        """
+        return self._read_json(self._source_path(key))
+
+    def write_source_state(self, key: str, data: dict[str, Any]) -> None:
+        """Replace the state of the shard source ``key``. Assumes you hold the lock."""
+        try:
+            os.mkdir(self.sources_dir, self.file_mode | (self.file_mode & 0o444) >> 2)
+        except FileExistsError:
+            pass
+        atomic_write_bytes(self._source_path(key), _dumps(data), self.file_mode)
+
+    def source_states(self) -> list[dict[str, Any]]:
+        """The state of every shard source that has used this cache (damaged ones left out)."""
+        states = []
+        for entry in sorted(_scandir(self.sources_dir), key=lambda e: e.name):
+            if entry.name.endswith(".json") and _is_regular(entry):
+                state = self._read_json_quiet(entry.path)
+                if state is not None:
+                    states.append(state)
+        return states
+
+    def _source_path(self, key: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{8,64}", key):
+            raise ValueError(f"a shard source key is a hex digest, got {key!r}")
+        return os.path.join(self.sources_dir, f"{key}.json")
 
     # -- metadata ---------------------------------------------------------------------------
     def read_metadata(self, *, replacing: Iterable[str] = ()) -> dict[str, Any] | None:
@@ -200,13 +235,18 @@ class Manifest:
         atomic_write_bytes(self.metadata_path, _dumps(data), self.file_mode)
 
     # -- counters ---------------------------------------------------------------------------
-    def read_state(self) -> dict[str, int]:
+    def read_state(self, *, locked: bool = False) -> dict[str, int]:
         """Publish and eviction counters, each checked.
 
         Damaged or missing counters are rebuilt from the shard listing, with a warning:
         the next sequence number and the published shards and bytes from the shards
         present; the eviction counters restart at 0; the count of sampler pool starts
         restarts from the clock, so no later pool repeats an earlier pool's random streams.
+
+        Args:
+            locked: the caller holds the lock, so the counters must also agree with the
+                listing (every listed shard was counted as published). Without the lock a
+                publish may land between the two reads. Default: ``False``.
         """
         try:
             stored = self._read_json(self.state_path)
@@ -221,9 +261,13 @@ class Manifest:
                 state[name] = value
             else:
                 bad.append(name)
+        shards = scan_shards(self.shards_dir).shards if bad or locked else []
+        if locked:
+            listed = {"next_seq": max((s.seq for s in shards), default=0) + 1, "published": len(shards),
+                      "published_bytes": sum(s.nbytes for s in shards)}
+            bad += [name for name, least in listed.items() if name not in bad and state[name] < least]
         if not bad:
             return state
-        shards = scan_shards(self.shards_dir).shards
         if stored is None and damage is None and not shards:
             return {"next_seq": 1, **dict.fromkeys(_COUNTERS, 0)}  # a new cache
         rebuilt = {
@@ -237,7 +281,8 @@ class Manifest:
         for name in bad:
             state[name] = rebuilt[name]
         what = damage or (f"{self.state_path} is missing" if stored is None
-                          else f"{self.state_path}: field(s) {', '.join(bad)} missing or out of range")
+                          else f"{self.state_path}: field(s) {', '.join(bad)} missing, out of range or behind the "
+                               "shards present")
         logger.warning("%s; rebuilt %s from the %d shards present (shards published and evicted before now "
                        "are no longer counted)", what, ", ".join(bad), len(shards))
         return state
@@ -248,7 +293,7 @@ class Manifest:
 
     def repair_state(self) -> None:
         """Write the counters back if they had to be rebuilt. Assumes you hold the lock."""
-        state = self.read_state()
+        state = self.read_state(locked=True)
         if self._read_json_quiet(self.state_path) != state:
             self.write_state(state)
 
@@ -263,7 +308,7 @@ class Manifest:
             newest: the largest sequence number listed now. The counter is never behind it:
                 a stale (restored) state file must not make a publish overwrite a shard.
         """
-        state = self.read_state()
+        state = self.read_state(locked=True)
         seq = max(state["next_seq"], newest + 1)
         state["next_seq"] = seq + 1
         state["published"] += 1
@@ -273,21 +318,21 @@ class Manifest:
 
     def uncount_publish(self, nbytes: int) -> None:
         """A counted shard could not be renamed: undo its counts; its sequence number stays spent."""
-        state = self.read_state()
+        state = self.read_state(locked=True)
         state["published"] = max(state["published"] - 1, 0)
         state["published_bytes"] = max(state["published_bytes"] - nbytes, 0)
         self.write_state(state)
 
     def count_evictions(self, shards: int, nbytes: int) -> None:
         """Add deleted shards to the eviction counters. Assumes you hold the lock."""
-        state = self.read_state()
+        state = self.read_state(locked=True)
         state["evicted"] += shards
         state["evicted_bytes"] += nbytes
         self.write_state(state)
 
     def count_sampler_run(self) -> int:
         """Count one more sampler pool start; return how many started before. Assumes you hold the lock."""
-        state = self.read_state()
+        state = self.read_state(locked=True)
         run = state["sampler_runs"]
         state["sampler_runs"] = run + 1
         self.write_state(state)

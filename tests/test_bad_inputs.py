@@ -214,3 +214,132 @@ def _check(tmp_path, action, error, fragments) -> pytest.ExceptionInfo:
     assert all(np.array_equal(codec.decode(r)["x"], id_sample(int(codec.decode(r)["id"]))["x"])
                for s in after.list_shards() for _, r in iter_records(s.path))
     return info
+
+
+# -- damaged metadata: checked on read, never a reason to delete (issue 17) -------------------
+def _populated(tmp_path) -> tuple[Cache, dict[str, str]]:
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [5, 5])
+    return cache, {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()}
+
+
+def _set_metadata(cache: Cache, field: str, value) -> None:
+    path = os.path.join(cache.path, "growcache.json")
+    meta = json.loads(open(path).read())
+    if value is _MISSING:
+        del meta[field]
+    else:
+        meta[field] = value
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+_MISSING = object()
+METADATA_DAMAGE = [
+    ("capacity", 0), ("capacity", -4096), ("capacity", "1GB"), ("capacity", 2.5), ("capacity", True),
+    ("capacity", None), ("capacity", _MISSING), ("format_version", "1"), ("format_version", 0),
+    ("format_version", _MISSING), ("schema", 5), ("schema", {"x": "float32"}), ("schema", {"x": ["float32", "z"]}),
+    ("schema", {"x": ["complex256", [2]]}), ("created", "yesterday"),
+]
+
+
+@pytest.mark.parametrize("field, value", METADATA_DAMAGE,
+                         ids=[f"{f}={'missing' if v is _MISSING else v!r}" for f, v in METADATA_DAMAGE])
+def test_a_damaged_metadata_value_is_a_clear_error_and_deletes_nothing(tmp_path, field, value):
+    cache, before = _populated(tmp_path)
+    _set_metadata(cache, field, value)
+    for action in (lambda: Cache(cache.path).snapshot(), lambda: Cache(cache.path, schema=ID_SCHEMA),
+                   cache.snapshot, cache.stats, cache.prune, lambda: write_shards(cache, [5], first_id=100)):
+        with pytest.raises(CacheFormatError) as info:
+            action()
+        message = str(info.value)
+        assert "growcache.json" in message and f"'{field}'" in message, message
+        assert any(fix in message for fix in ("Cache(path, capacity=", "Restore the file", "Upgrade")), message
+    assert {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()} == before
+
+
+def test_a_damaged_capacity_is_repaired_by_storing_a_new_one(tmp_path):
+    cache, before = _populated(tmp_path)
+    _set_metadata(cache, "capacity", 0)
+    repaired = Cache(cache.path, capacity="1GB")
+    assert repaired.capacity == 10**9 and len(repaired.snapshot()) == 2
+    assert {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()} == before
+
+
+@pytest.mark.parametrize("damage", [b"\x00garbage{", b"[1, 2]", b'{"next_seq": "7", "published": -1}',
+                                    b'{"next_seq": 0, "published": 2, "published_bytes": 1, "evicted": 0, '
+                                    b'"evicted_bytes": 0, "sampler_runs": 1.5}', None],
+                         ids=["garbage", "not-an-object", "wrong-types", "out-of-range", "lost"])
+def test_damaged_counters_are_rebuilt_from_the_listing_and_block_nothing(tmp_path, caplog, damage):
+    cache, before = _populated(tmp_path)
+    state = os.path.join(cache.path, "state.json")
+    if damage is None:
+        os.unlink(state)
+    else:
+        with open(state, "wb") as f:
+            f.write(damage)
+    with caplog.at_level("WARNING", logger="growcache"), cache.snapshot():
+        write_shards(cache, [5], first_id=100)  # a publish while both shards are leased
+    assert "state.json" in caplog.text and "rebuilt" in caplog.text
+    assert [s.seq for s in cache.list_shards()] == [1, 2, 3], "no sequence number is reused"
+    assert {p: d for p, d in before.items()} == {
+        s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()[:2]}
+    stats = cache.stats()
+    assert (stats.published, stats.published_bytes) == (3, sum(s.nbytes for s in cache.list_shards()))
+    assert json.loads(open(state).read())["next_seq"] == 4
+    caplog.clear()
+    Cache(cache.path).stats()
+    assert "rebuilt" not in caplog.text, "the rebuilt counters were written back"
+
+
+# -- the command line on a damaged cache: exit 1, saying what is wrong (issue 18) --------------
+def _cli(*argv) -> tuple[int, str]:
+    import contextlib
+
+    from growcache.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue() + err.getvalue()
+
+
+def _damage_capacity(cache: Cache) -> str:
+    _set_metadata(cache, "capacity", 0)
+    return "'capacity'"
+
+
+def _damage_schema(cache: Cache) -> str:
+    _set_metadata(cache, "schema", {"x": "float32"})
+    return "'schema'"
+
+
+def _link_leases(cache: Cache) -> str:
+    leases = os.path.join(cache.path, "leases")
+    os.rename(leases, leases + "-moved")
+    os.symlink(leases + "-moved", leases)
+    return "symbolic link"
+
+
+@pytest.mark.parametrize("damage", [_damage_capacity, _damage_schema, _link_leases],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("command", ["status", "verify", "prune"])
+def test_status_verify_and_prune_exit_1_on_a_damaged_cache(tmp_path, command, damage):
+    cache, before = _populated(tmp_path)
+    fragment = damage(cache)
+    code, output = _cli(command, *(["-q"] if command == "verify" else []), cache.path)
+    assert code == 1 and fragment in output and "Traceback" not in output, output
+    assert {s.path: hashlib.sha256(open(s.path, "rb").read()).hexdigest() for s in cache.list_shards()} == before
+
+
+def test_verify_exits_1_on_a_corrupt_or_short_shard_and_status_and_prune_still_work(tmp_path):
+    cache, _ = _populated(tmp_path)
+    first, second = cache.list_shards()
+    os.truncate(first.path, first.nbytes - first.nbytes // first.records)  # a cut at a record boundary
+    with open(second.path, "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff")
+    code, output = _cli("verify", "-q", cache.path)
+    assert code == 1 and f"CORRUPT {first.path}" in output and "holds 4 records, its name says 5" in output
+    assert f"CORRUPT {second.path}" in output
+    assert _cli("status", cache.path)[0] == 0 and _cli("prune", cache.path)[0] == 0

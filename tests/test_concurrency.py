@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import time
+
+import pytest
 
 from growcache import Cache
 from growcache.example import ExampleCodec
@@ -119,3 +124,88 @@ def test_writers_evictor_and_snapshotter_race_safely(tmp_path):
     assert stats.published == sum(outcome["writer"])
     assert stats.published - stats.evicted == stats.shards
     assert stats.evicted > 0, "evictions raced the writers and the snapshots"
+
+
+# -- a publisher killed at an exact step (the GROWCACHE_FAULT test hook) ---------------------
+_PUBLISHER = """
+import sys
+import numpy as np
+from growcache import Cache
+cache = Cache(sys.argv[1])
+with cache.writer() as writer:
+    for i in range(5):
+        writer.write({"id": np.int64(10_000 + i), "x": np.zeros((4, 8), np.float32)})
+    print(writer.path, flush=True)
+print("PUBLISHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["publish:locked", "publish:counted"])
+def test_a_publisher_killed_mid_publish_with_the_lock_held_harms_nothing(tmp_path, point):
+    from filelock import FileLock
+
+    cache = Cache(tmp_path / "cache", capacity=_shard_bytes() * 3, schema=ID_SCHEMA)
+    for i in range(3):
+        with cache.writer() as writer:
+            for j in range(RECORDS_PER_SHARD):
+                writer.write(id_sample(i * RECORDS_PER_SHARD + j))
+    before = {s.path: open(s.path, "rb").read() for s in cache.list_shards()}
+    with cache.snapshot():  # eviction must wait for no one: the victim publishes into a full cache
+        pass
+    child = subprocess.run([sys.executable, "-c", _PUBLISHER, cache.path], capture_output=True, text=True,
+                           env=dict(os.environ, GROWCACHE_FAULT=point), timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    temporary = child.stdout.split()[0]
+    assert "PUBLISHED" not in child.stdout and os.path.exists(temporary)
+    lock = FileLock(cache._manifest.lock_path, timeout=10)
+    with lock:  # the kernel released the dead holder's lock
+        pass
+    reopened = Cache(cache.path)  # removes the dead writer's temporary
+    assert not os.path.exists(temporary)
+    left = reopened.list_shards()
+    # Killed after acquiring the lock: nothing changed. After the counters: one eviction
+    # made room, one sequence number is spent, and no shard appeared under it.
+    assert [s.seq for s in left] == ([1, 2, 3] if point == "publish:locked" else [2, 3])
+    assert all(open(s.path, "rb").read() == before[s.path] for s in left)
+    with reopened.writer() as writer:
+        writer.write(id_sample(99))
+    newest = reopened.list_shards()[-1]
+    assert newest.seq == (4 if point == "publish:locked" else 5), "a spent sequence number is never reused"
+    assert reopened.verify().ok
+    assert [int(ExampleCodec(ID_SCHEMA).decode(r)["id"]) for _, r in iter_records(newest.path)] == [99]
+
+
+# -- maintenance under a live lease -------------------------------------------------------------
+def test_prune_and_verify_remove_corrupt_never_touch_a_leased_shard(tmp_path, capsys):
+    from growcache.cli import main
+
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=ID_SCHEMA)
+    for i in range(2):
+        with cache.writer() as writer:
+            for j in range(RECORDS_PER_SHARD):
+                writer.write(id_sample(i * RECORDS_PER_SHARD + j))
+    first, second = cache.list_shards()
+    with open(first.path, "r+b") as f:
+        f.seek(60)
+        f.write(b"\xee")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, growcache; "
+                               "s = growcache.Cache(sys.argv[1]).snapshot(holder='trainer'); "
+                               "print(len(s), flush=True); time.sleep(120)", cache.path],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "2"
+        capsys.readouterr()
+        assert main(["verify", "-q", "--remove-corrupt", cache.path]) == 1
+        out = capsys.readouterr().out
+        assert f"CORRUPT {first.path}" in out and f"KEPT {first.path}" in out and "REMOVED" not in out
+        assert main(["prune", "--to", "1B", cache.path]) == 0
+        assert [s.path for s in cache.list_shards()] == [first.path, second.path]
+        report = cache.verify(remove_corrupt=True)
+        assert report.kept_leased == [first.path] and report.removed == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["verify", "-q", "--remove-corrupt", cache.path]) == 1  # reports what it removed
+    assert f"REMOVED {first.path}" in capsys.readouterr().out
+    assert [s.path for s in cache.list_shards()] == [second.path]
+    assert main(["prune", "--to", "1B", cache.path]) == 0 and cache.list_shards() == []
