@@ -16,6 +16,7 @@ from .cache import Cache, CacheStats, VerifyReport
 from .errors import (
     CacheFormatError,
     CacheFullError,
+    CompressedFileError,
     CorruptShardError,
     DeviceError,
     EmptyCacheError,
@@ -39,6 +40,7 @@ __all__ = [
     "CacheFormatError",
     "CacheFullError",
     "CacheStats",
+    "CompressedFileError",
     "CorruptShardError",
     "DeviceError",
     "EmptyCacheError",
@@ -55,6 +57,7 @@ __all__ = [
     "ShardWriter",
     "Snapshot",
     "SourceError",
+    "TFRecordShardSource",
     "TransientSourceError",
     "VerifyReport",
     "fit_growing",
@@ -69,6 +72,7 @@ assert __all__ == sorted(__all__), "keep __all__ sorted"  # noqa: S101 - guards 
 # that `import growcache` never imports tensorflow, torch or the `tfrecord` package.
 _LAZY = {
     "SamplerPool": ("growcache.sampler", None, None),
+    "TFRecordShardSource": ("growcache.shard_source", None, None),
     "make_tf_dataset": ("growcache.adapters.tf_dataset", "tensorflow", "tf"),
     "fit_growing": ("growcache.adapters.keras", "tensorflow", "tf"),
     "make_torch_loader": ("growcache.adapters.torch_loader", "torch", "torch"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CacheFormatError",
     "CacheFullError",
+    "CompressedFileError",
     "CorruptShardError",
     "DeviceError",
     "EmptyCacheError",
@@ -95,3 +96,8 @@ class RefusedFileError(GrowcacheError, ValueError):
 class DeviceError(GrowcacheError, RuntimeError):
     """A device that was asked for cannot be used: no CUDA in this torch build or on this
     machine, or no device with that index."""
+
+
+class CompressedFileError(GrowcacheError, ValueError):
+    """A GZIP- or ZLIB-compressed TFRecord file was given where a cache needs a plain one
+    (``growcache import`` decompresses it)."""

@@ -482,7 +482,7 @@ def _bytes_hint(spec: FeatureSpec, view: memoryview, start: int, stop: int) -> s
 
 def _mismatch(spec: FeatureSpec, kind: str, count: int, feature: FoundFeature, view: memoryview) -> str:
     expected_kind = "bytes_list with 1 value" if spec.encoding in ("bytes", "tensor") else (
-        f"{spec.encoding} with {spec.size} values")
+        f"{spec.encoding} with {spec.size} value{'s' if spec.size != 1 else ''}")
     found = f"{kind} with {count} value{'s' if count != 1 else ''}"
     if kind == "bytes_list" and count == 1:
         start, stop = feature.values[0]

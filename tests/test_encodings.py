@@ -11,50 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tfrecords import bytes_feature, example, float_feature, int64_feature, tensor_proto
+
 from growcache import Schema, SchemaError
-from growcache._protowire import decode_varint_rows, encode_varints, varint
+from growcache._protowire import decode_varint_rows, encode_varints
 from growcache.example import BatchDecoder, ExampleCodec, scan_example, tf_parse_plan
 
 INTS = ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"]
-
-
-# -- hand-built records ----------------------------------------------------------------------
-def _ld(field: int, body: bytes) -> bytes:
-    return varint(field << 3 | 2) + varint(len(body)) + body
-
-
-def bytes_feature(*values: bytes) -> bytes:
-    return _ld(1, b"".join(_ld(1, v) for v in values))
-
-
-def float_feature(values, packed: bool = True) -> bytes:
-    data = np.asarray(values, "<f4")
-    if packed:
-        return _ld(2, _ld(1, data.tobytes()))
-    return _ld(2, b"".join(b"\x0d" + v.tobytes() for v in data))  # field 1, fixed32
-
-
-def int64_feature(values, packed: bool = True) -> bytes:
-    data = np.asarray(values, np.int64).reshape(-1)
-    if packed:
-        return _ld(3, _ld(1, encode_varints(data)))
-    return _ld(3, b"".join(b"\x08" + varint(int(v) & (2**64 - 1)) for v in data))
-
-
-def example(entries: list[tuple[str, bytes]]) -> bytes:
-    body = b"".join(_ld(1, _ld(1, key.encode()) + _ld(2, feature)) for key, feature in entries)
-    return _ld(1, body)
-
-
-def tensor_proto(array: np.ndarray, typed_field: int | None = None) -> bytes:
-    """A TensorProto as serialize_tensor writes it, or with values in a typed field (make_tensor_proto)."""
-    from growcache.tensor_proto import tf_dtype_enum
-
-    dims = b"".join(_ld(2, b"\x08" + varint(d) if d else b"") for d in array.shape)
-    head = b"\x08" + varint(tf_dtype_enum(array.dtype)) + _ld(2, dims)
-    if typed_field is None:
-        return head + (_ld(4, array.astype(array.dtype.newbyteorder("<")).tobytes()) if array.size else b"")
-    return head + _ld(typed_field, np.asarray(array, "<f4").reshape(-1).tobytes())
 
 
 # -- schema ---------------------------------------------------------------------------------

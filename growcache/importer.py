@@ -1,0 +1,594 @@
+"""Bringing existing TFRecord files into a cache: ``growcache import``, ``growcache schema``.
+
+Files are read as a stream of chunks from any fsspec URL (local paths and globs
+included), with the retries and credential redaction of :mod:`growcache.sources`.
+GZIP and ZLIB files (``TFRecordOptions(compression_type=...)``) are detected from their
+first bytes and decompressed on the way. Every record's framing and both CRC32Cs are
+checked, every record is checked against the schema, and the verified frames are
+written unchanged, never re-encoded, into temporary shards of the cache, cut at record
+boundaries when ``max_shard_records`` or ``max_shard_bytes`` says so.
+
+:class:`TFRecordFiles` is that reader; :class:`~growcache.shard_source.TFRecordShardSource`
+builds on it to stream a remote dataset through a cache.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._size import parse_size
+from .errors import CompressedFileError, CorruptShardError, SchemaError, SourceError
+from .example import ExampleCodec, RecordChecker, scan_example
+from .manifest import _unlink_quiet
+from .records import FOOTER_BYTES, HEADER_BYTES, masked_crc32c
+from .schema import Schema
+from .sources import RetryPolicy, _StoreSource
+from .tensor_proto import parse_tensor
+from .writer import temp_shard_name
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .shard import ShardInfo
+
+__all__ = [
+    "CopiedShard",
+    "ImportReport",
+    "TFRecordFiles",
+    "detect_compression",
+    "import_files",
+    "infer_schema",
+    "parse_schema",
+]
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20
+_LENGTH_AND_CRC = struct.Struct("<QI")
+_CRC = struct.Struct("<I")
+_IOV_MAX = 1024
+_WBITS = {"GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
+
+
+def detect_compression(head: bytes) -> str | None:
+    """``"GZIP"``, ``"ZLIB"`` or ``None`` (a plain TFRecord file, or not a TFRecord file at all).
+
+    A plain file's first 12 bytes are a record length and its CRC, which no compressed
+    stream matches by chance; GZIP starts with ``1f 8b``; ZLIB with a 2-byte header whose
+    check bits hold, and its first bytes must then inflate to a valid record header.
+    """
+    if len(head) >= HEADER_BYTES:
+        length_crc = _CRC.unpack_from(head, 8)[0]
+        if masked_crc32c(head[:8]) == length_crc:
+            return None
+    if head[:2] == b"\x1f\x8b":
+        return "GZIP"
+    if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        try:
+            inflated = zlib.decompressobj(zlib.MAX_WBITS).decompress(head, HEADER_BYTES)
+        except zlib.error:
+            return None
+        if len(inflated) < HEADER_BYTES or masked_crc32c(inflated[:8]) == _CRC.unpack_from(inflated, 8)[0]:
+            return "ZLIB"
+    return None
+
+
+def compressed_file_message(source: str, compression: str, cache_path: str | None = None) -> str:
+    """What to tell a user who gave a compressed file where a plain one is needed."""
+    target = cache_path or "CACHE_DIR"
+    return (f"{source} is a {compression}-compressed TFRecord file, not a corrupt one: a cache holds uncompressed "
+            f"shards. Run `growcache import {source} {target}`, which decompresses it (and checks every record), "
+            "or decompress it first.")
+
+
+@dataclass(frozen=True)
+class CopiedShard:
+    """A verified temporary shard in a cache's shard directory, ready to publish.
+
+    Attributes:
+        path: the temporary file.
+        records: records it holds.
+        nbytes: its size.
+        start: stream offset of its first record in the source (uncompressed bytes).
+        end: stream offset after its last record.
+    """
+
+    path: str
+    records: int
+    nbytes: int
+    start: int
+    end: int
+
+
+class TFRecordFiles(_StoreSource):
+    """TFRecord files at a URL, glob or list of them, read as verified record streams.
+
+    Args:
+        url: a path, glob or URL (``"gs://bucket/train-*"``), or a list of them.
+        storage_options: passed to fsspec (credentials, endpoints).
+        retry: retry policy of transient store errors. Default: ``RetryPolicy()``.
+        chunk_bytes: bytes per read request. Default: 8 MiB.
+    """
+
+    def __init__(self, url: str | Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
+                 retry: RetryPolicy | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(url, storage_options=storage_options, retry=retry)
+        self.chunk_bytes = int(chunk_bytes)
+
+    def sample(self, rng: Any) -> Any:
+        raise TypeError(f"{type(self).__name__} reads whole TFRecord files; it draws no samples")
+
+    def size(self, path: str) -> int:
+        """The size of ``path`` in the store."""
+        fs = self.fs
+        return int(self._io("reading the size of", self._url(path), lambda: fs.size(path)))
+
+    def chunks(self, path: str, start: int = 0, size: int | None = None) -> Iterator[bytes]:
+        """The raw bytes of ``path`` from ``start`` on, one read request (with retries) per chunk."""
+        size = self.size(path) if size is None else size
+        position = start
+        while position < size:
+            end = min(position + self.chunk_bytes, size)
+            data = self._fetch(path, position, end)
+            if not data:
+                raise SourceError(f"{self._url(path)} ended at byte {position}, its size says {size}: it was "
+                                  "replaced or truncated while it was read")
+            position += len(data)
+            yield data
+
+    def compression(self, path: str, size: int | None = None) -> str | None:
+        """How ``path`` is compressed (see :func:`detect_compression`); one small read."""
+        size = self.size(path) if size is None else size
+        return detect_compression(self._fetch(path, 0, min(size, 64))) if size else None
+
+    def stream(self, path: str, start: int = 0) -> tuple[Iterator[bytes], str | None]:
+        """``(chunks of the uncompressed stream from offset start, compression)`` of ``path``.
+
+        A compressed file is inflated from its beginning and the first ``start`` bytes are
+        dropped; a plain one is read from ``start`` by byte range.
+        """
+        size = self.size(path)
+        compression = self.compression(path, size)
+        if compression is None:
+            return self.chunks(path, start, size), None
+        return _skip(_inflate(self.chunks(path, 0, size), compression, self._url(path)), start), compression
+
+
+def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator[bytes]:
+    inflater = zlib.decompressobj(_WBITS[compression])
+    try:
+        for chunk in chunks:
+            data = inflater.decompress(chunk)
+            while inflater.unused_data and compression == "GZIP":  # concatenated gzip members
+                rest = inflater.unused_data
+                if data:
+                    yield data
+                inflater = zlib.decompressobj(_WBITS[compression])
+                data = inflater.decompress(rest)
+            if data:
+                yield data
+        tail = inflater.flush()
+        if tail:
+            yield tail
+    except zlib.error as exc:
+        raise CorruptShardError(source, 0, f"{compression} data is damaged ({exc})") from None
+    if not inflater.eof:
+        raise CorruptShardError(source, 0, f"the {compression} stream is truncated")
+
+
+def _skip(chunks: Iterator[bytes], count: int) -> Iterator[bytes]:
+    for chunk in chunks:
+        if count >= len(chunk):
+            count -= len(chunk)
+            continue
+        yield chunk[count:] if count else chunk
+        count = 0
+
+
+def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
+                ) -> Iterator[tuple[int, bytes, int, int, memoryview]]:
+    """Frame a TFRecord byte stream, checking the length CRC, the data CRC and truncation.
+
+    Yields ``(offset, buffer, frame start, frame end, record)``: the frame is
+    ``buffer[frame start:frame end]`` (an immutable bytes object, so it may be kept) and
+    ``record`` a view of its data. ``offset`` counts from the stream's ``start``.
+
+    Raises:
+        CorruptShardError: a CRC mismatch or a truncated record (source and offset).
+    """
+    buffer = b""
+    position = 0
+    offset = start
+    exhausted = False
+
+    def fill(need: int) -> bool:
+        nonlocal buffer, position, exhausted
+        parts = [buffer[position:]] if position < len(buffer) else []
+        have = len(buffer) - position
+        while have < need and not exhausted:
+            chunk = next(chunks, None)
+            if chunk is None:
+                exhausted = True
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        buffer, position = (parts[0] if len(parts) == 1 else b"".join(parts)), 0
+        return have >= need
+
+    while True:
+        if len(buffer) - position < HEADER_BYTES and not fill(HEADER_BYTES):
+            left = len(buffer) - position
+            if left:
+                raise CorruptShardError(source, offset, f"truncated record header ({left} of 12 bytes)")
+            return
+        length, length_crc = _LENGTH_AND_CRC.unpack_from(buffer, position)
+        if masked_crc32c(memoryview(buffer)[position:position + 8]) != length_crc:
+            if offset == 0:
+                compression = detect_compression(buffer[position:position + 64])
+                if compression is not None:
+                    raise CompressedFileError(compressed_file_message(source, compression))
+            raise CorruptShardError(source, offset, "length CRC32C mismatch (corrupt record header)")
+        frame = HEADER_BYTES + length + FOOTER_BYTES
+        if len(buffer) - position < frame and not fill(frame):
+            raise CorruptShardError(source, offset, f"truncated record: needs {frame} bytes, the stream has "
+                                                    f"{len(buffer) - position} left")
+        view = memoryview(buffer)
+        record = view[position + HEADER_BYTES:position + HEADER_BYTES + length]
+        if masked_crc32c(record) != _CRC.unpack_from(buffer, position + HEADER_BYTES + length)[0]:
+            raise CorruptShardError(source, offset, "data CRC32C mismatch (corrupt record payload)")
+        yield offset, buffer, position, position + frame, record
+        position += frame
+        offset += frame
+
+
+class _TempShard:
+    """A temporary shard file in a cache, written by whole runs of verified frames."""
+
+    def __init__(self, cache: Cache, start: int) -> None:
+        self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, cache.file_mode)
+        self.records = 0
+        self.nbytes = 0
+        self.start = start
+        self.end = start
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
+        self._run: tuple[bytes, int, int] | None = None  # frames that lie one after another in one buffer
+
+    def add(self, buffer: bytes, start: int, end: int, offset: int) -> None:
+        run = self._run
+        if run is not None and run[0] is buffer and run[2] == start:
+            self._run = (buffer, run[1], end)
+        else:
+            self._close_run()
+            self._run = (buffer, start, end)
+        self.records += 1
+        self.nbytes += end - start
+        self.end = offset + end - start
+        if self._pending_bytes + (self._run[2] - self._run[1]) >= CHUNK_BYTES:
+            self._close_run()
+            self.flush()
+
+    def _close_run(self) -> None:
+        if self._run is not None:
+            buffer, start, end = self._run
+            self._pending.append(memoryview(buffer)[start:end])
+            self._pending_bytes += end - start
+            self._run = None
+            if len(self._pending) >= _IOV_MAX:
+                self.flush()
+
+    def flush(self) -> None:
+        self._close_run()
+        buffers = self._pending
+        while buffers:
+            written = os.writev(self.fd, buffers[:_IOV_MAX])
+            while written:  # drop what was written, keep the rest of a short write
+                if written >= buffers[0].nbytes:
+                    written -= buffers[0].nbytes
+                    buffers = buffers[1:]
+                else:
+                    buffers = [buffers[0][written:], *buffers[1:]]
+                    written = 0
+        self._pending, self._pending_bytes = [], 0
+
+    def finish(self) -> CopiedShard:
+        self.flush()
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        return CopiedShard(self.path, self.records, self.nbytes, self.start, self.end)
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        _unlink_quiet(self.path)
+
+
+def copy_records(
+    frames: Iterator[tuple[int, bytes, int, int, memoryview]],
+    cache: Cache,
+    checker: RecordChecker | None,
+    *,
+    max_records: int | None = None,
+    max_bytes: int | None = None,
+    start: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[CopiedShard]:
+    """Write verified frames unchanged into temporary shards of ``cache``, cut at record boundaries.
+
+    Yields each temporary shard when it is complete (fsynced); the caller publishes or
+    deletes it. A shard in progress when the frames fail, or when the caller stops
+    early, is deleted.
+
+    Args:
+        frames: from :func:`iter_frames`.
+        cache: the cache whose shard directory receives the files.
+        checker: checks each record against the schema; ``None``: no schema check.
+        max_records: records per shard at most. Default: ``None``, no limit.
+        max_bytes: bytes per shard at most (a record larger than this gets a shard of its
+            own). Default: ``None``, no limit.
+        start: stream offset of the first frame.
+        progress: called with the bytes of each frame written.
+    """
+    current: _TempShard | None = None
+    try:
+        for offset, buffer, frame_start, frame_end, record in frames:
+            if checker is not None:
+                checker.check(record, offset)
+            size = frame_end - frame_start
+            if current is not None and (
+                    (max_records is not None and current.records >= max_records)
+                    or (max_bytes is not None and current.nbytes + size > max_bytes)):
+                if checker is not None:
+                    checker.flush()
+                done, current = current.finish(), None
+                yield done
+            if current is None:
+                current = _TempShard(cache, offset)
+            current.add(buffer, frame_start, frame_end, offset)
+            if progress is not None:
+                progress(size)
+        if checker is not None:
+            checker.flush()
+        if current is not None:
+            done, current = current.finish(), None
+            yield done
+    finally:
+        if current is not None:
+            current.discard()
+
+
+# -- schema inference ------------------------------------------------------------------------
+def infer_schema(url: str, *, records: int = 16, storage_options: Mapping[str, Any] | None = None) -> Schema:
+    """The schema of a TFRecord file of ``tf.train.Example`` records, from its first records.
+
+    ``int64_list`` and ``float_list`` features become ``("int64", shape, "int64_list")`` and
+    ``("float32", shape, "float_list")`` (shape ``()`` for one value, else ``(N,)``: give the
+    array's own shape if it has several axes); ``tf.io.serialize_tensor`` values become
+    ``(dtype, shape, "tensor")``. Raw bytes carry no dtype: they are inferred as
+    ``("uint8", (nbytes,))`` with a warning; give the real dtype and shape in the schema.
+
+    Args:
+        url: a local path or fsspec URL (the first file of a glob).
+        records: records to read. Default: ``16``.
+        storage_options: passed to fsspec.
+
+    Raises:
+        SchemaError: a feature varies between records (``VarLenFeature``), or holds several
+            byte strings or none; the message names the feature and the record.
+        CorruptShardError: the file is damaged.
+    """
+    files = TFRecordFiles(url, storage_options=storage_options)
+    return _infer(files, files.paths()[0], records)
+
+
+def _infer(files: TFRecordFiles, path: str, records: int = 16) -> Schema:
+    chunks, _ = files.stream(path)
+    source = files._url(path)
+    seen: dict[str, tuple] = {}
+    first: dict[str, int] = {}
+    count = 0
+    for offset, _, _, _, record in iter_frames(chunks, source):
+        try:
+            found = scan_example(record)
+        except ValueError as exc:
+            raise SchemaError(f"{source} at byte offset {offset}: not a tf.train.Example ({exc})") from None
+        if count and found.keys() != seen.keys():
+            raise SchemaError(f"{source} at byte offset {offset}: features {sorted(found)} differ from the first "
+                              f"record's {sorted(seen)}. growcache needs every record to hold the same features.")
+        for name, feature in found.items():
+            spec = _feature_of(name, feature, record, source, offset)
+            if name in seen and seen[name] != spec:
+                raise SchemaError(
+                    f"{source}: feature {name!r} is {_describe(seen[name])} in the record at byte offset "
+                    f"{first[name]} but {_describe(spec)} at byte offset {offset}. growcache reads fixed-shape "
+                    "features only: VarLenFeature, SequenceExample and ragged features are not supported."
+                )
+            seen[name], first[name] = spec, first.get(name, offset)
+        count += 1
+        if count >= records:
+            break
+    if not count:
+        raise CorruptShardError(source, 0, "the file holds no records")
+    for name, spec in sorted(seen.items()):
+        if spec[2] == "bytes":
+            logger.warning("feature %r of %s holds %d raw bytes per record: inferred as ('uint8', (%d,)). Raw bytes "
+                           "carry no dtype: give its real dtype and shape in the schema, e.g. ('float32', (%d,))",
+                           name, source, spec[1][0], spec[1][0], spec[1][0] // 4)
+    return Schema({name: spec for name, spec in seen.items()})
+
+
+def _feature_of(name: str, feature: Any, record: memoryview, source: str, offset: int) -> tuple:
+    count = feature.count(record)
+    shape = () if count == 1 else (count,)
+    if feature.kind == "int64_list":
+        return ("int64", shape, "int64_list")
+    if feature.kind == "float_list":
+        return ("float32", shape, "float_list")
+    if feature.kind != "bytes_list" or count != 1:
+        raise SchemaError(
+            f"{source} at byte offset {offset}: feature {name!r} is {feature.kind} with {count} values; growcache "
+            "reads fixed-shape arrays: one bytes value (raw or tf.io.serialize_tensor), or int64/float lists. "
+            "VarLenFeature, SequenceExample and ragged features are not supported."
+        )
+    start, stop = feature.values[0]
+    try:
+        tensor = parse_tensor(record, start, stop)
+    except ValueError:
+        return ("uint8", (stop - start,), "bytes")
+    return (tensor.dtype, tensor.shape, "tensor")
+
+
+def _describe(spec: tuple) -> str:
+    dtype, shape, encoding = spec
+    return f"{encoding} {dtype} shape {shape}"
+
+
+def parse_schema(text: str) -> Schema:
+    """A schema from text: ``Schema({...})`` as ``growcache schema`` prints it, a dict literal, or JSON.
+
+    Raises:
+        SchemaError: the text is none of these.
+    """
+    body = text.strip()
+    if body.startswith("Schema(") and body.endswith(")"):
+        body = body[len("Schema("):-1]
+    try:
+        value = ast.literal_eval(body)
+    except (ValueError, SyntaxError):
+        import json
+
+        try:
+            value = json.loads(body)
+        except ValueError:
+            raise SchemaError(f"cannot read a schema from {text!r}: write it as growcache schema prints it, e.g. "
+                              "\"{'x': ('float32', (256,)), 'label': ('int64', (), 'int64_list')}\"") from None
+    return Schema(value)
+
+
+# -- import ----------------------------------------------------------------------------------
+@dataclass
+class ImportReport:
+    """Outcome of :func:`import_files`.
+
+    Attributes:
+        files: files imported.
+        records: records published.
+        shards: shards published.
+        bytes: bytes published.
+        refused: ``(file, reason)`` of each file refused; nothing of it was published.
+        schema: the cache's schema (inferred from the first file if the cache had none).
+    """
+
+    files: int = 0
+    records: int = 0
+    shards: int = 0
+    bytes: int = 0
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    schema: Schema | None = None
+
+
+def import_files(
+    sources: str | Sequence[str],
+    cache: Cache | str | os.PathLike,
+    *,
+    schema: Schema | Mapping[str, Any] | None = None,
+    capacity: int | str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    max_shard_records: int | None = None,
+    max_shard_bytes: int | str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_file: Callable[[str, int], None] | None = None,
+) -> ImportReport:
+    """Import TFRecord files (plain, GZIP or ZLIB) into a cache, each record checked.
+
+    Each file's records are copied unchanged into shards of the cache (several per file
+    with ``max_shard_records`` or ``max_shard_bytes``). A file is published only when
+    every record of it verified, so a refused file leaves nothing behind; the others are
+    still imported.
+
+    Args:
+        sources: local paths, globs or fsspec URLs, or a list of them.
+        cache: a :class:`~growcache.Cache` or its directory (created if missing).
+        schema: the records' schema. Default: the cache's; for a cache without one, the
+            schema inferred from the first file (see :func:`infer_schema`), then stored.
+        capacity: the cache's capacity, for a new cache or to change it. Default: as stored.
+        storage_options: passed to fsspec.
+        max_shard_records: records per shard at most. Default: ``None`` (one shard per file).
+        max_shard_bytes: bytes per shard at most. Default: ``None`` (one shard per file).
+        progress: called with each chunk of bytes copied (for a progress bar).
+        on_file: called with ``(file, records)`` as each file is published.
+
+    Returns:
+        An :class:`ImportReport`; ``refused`` names each file refused and why.
+
+    Raises:
+        SourceError: a source matches nothing, or the store fails.
+        SchemaMismatchError: ``schema`` differs from the cache's stored schema.
+    """
+    from .cache import Cache
+
+    files = TFRecordFiles(sources, storage_options=storage_options)
+    paths = files.paths()
+    if not isinstance(cache, Cache):
+        cache = Cache(cache, capacity=capacity, schema=schema)
+    elif schema is not None or capacity is not None:
+        cache = Cache(cache.path, capacity=capacity, schema=schema)
+    if cache.schema is None:
+        inferred = _infer(files, paths[0])
+        cache = Cache(cache.path, schema=inferred)
+        logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, files._url(paths[0]))
+    codec = ExampleCodec(cache.schema)  # type: ignore[arg-type]
+    limit = parse_size(max_shard_bytes, name="max_shard_bytes") if max_shard_bytes is not None else None
+    report = ImportReport(schema=cache.schema)
+    for path in paths:
+        url = files._url(path)
+        pieces: list[CopiedShard] = []
+        try:
+            chunks, _ = files.stream(path)
+            checker = RecordChecker(codec, url)
+            for piece in copy_records(iter_frames(chunks, url), cache, checker, max_records=max_shard_records,
+                                      max_bytes=limit, progress=progress):
+                pieces.append(piece)
+            if not pieces:
+                raise CorruptShardError(url, 0, "the file holds no records")
+            for piece in pieces:
+                if piece.nbytes > cache.capacity:
+                    raise SchemaError(
+                        f"{url}: a shard of {piece.nbytes} bytes is larger than the capacity of cache {cache.path} "
+                        f"({cache.capacity} bytes). Raise the capacity, or cut files with max_shard_bytes "
+                        "(growcache import --max-shard-size)."
+                    )
+        except (SchemaError, CorruptShardError, CompressedFileError) as exc:
+            for piece in pieces:
+                _unlink_quiet(piece.path)
+            report.refused.append((url, str(exc)))
+            logger.error("refused %s: %s", url, exc)
+            continue
+        published = _publish_all(cache, pieces)
+        report.files += 1
+        report.shards += len(published)
+        report.records += sum(p.records for p in published)
+        report.bytes += sum(p.nbytes for p in published)
+        if on_file is not None:
+            on_file(url, sum(p.records for p in published))
+    return report
+
+
+def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:
+    published = []
+    try:
+        for piece in pieces:
+            published.append(cache._publish(piece.path, piece.records, piece.nbytes))
+    finally:
+        for piece in pieces[len(published):]:
+            _unlink_quiet(piece.path)
+    return published
