@@ -113,20 +113,22 @@ class Progress:
 
     def line(self) -> str:
         """The status as one line of text."""
-        done = self._amount(self.n)
         if self.total:
-            done += f" of {self._amount(self.total)} ({100 * self.n / self.total:.0f}%)"
+            done = (f"{self._amount(self.n, bare=self.unit != 'B')} of {self._amount(self.total)} "
+                    f"({100 * self.n / self.total:.0f}%)")
+        else:
+            done = self._amount(self.n)
         elapsed = int(time.monotonic() - self._started)
         parts = [f"{self.desc}: {done}", f"{self._amount(self.rate())}/s", f"{elapsed // 60}:{elapsed % 60:02d} elapsed"]
         if self.postfix:
             parts.append(self.postfix)
         return ", ".join(parts)
 
-    def _amount(self, value: float) -> str:
+    def _amount(self, value: float, *, bare: bool = False) -> str:
         if self.unit == "B":
             return format_size(value)
         text = f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.1f}"
-        return f"{text} {self.unit}" if self.unit else text
+        return f"{text} {self.unit}" if self.unit and not bare else text
 
     def _tick(self) -> None:
         while not self._done.wait(self.interval):

@@ -103,3 +103,141 @@ def test_sample_usage_and_store_errors(tmp_path, capsys):
     empty.mkdir()
     assert main(["sample", f"file://{empty}/*.npy", str(tmp_path / "c2"), "--records", "1", "-q"]) == 1
     assert str(empty) in capsys.readouterr().err
+
+
+def _exe() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "growcache")
+
+
+def _store(tmp_path, rows: int = 400, cols: int = 3):
+    import numpy as np
+
+    remote = tmp_path / "remote"
+    remote.mkdir(exist_ok=True)
+    np.save(remote / "a.npy", np.arange(rows * cols, dtype=np.int32).reshape(rows, cols))
+    return f"file://{remote}/*.npy"
+
+
+def test_sample_records_stops_at_the_count_with_default_flags(tmp_path):
+    # Default shard size (a quarter of the default 500GB budget, capped at 256 MB): the records
+    # are published by the stop, in partial shards, instead of sampling on until a shard fills.
+    cache_dir = tmp_path / "fresh"
+    result = subprocess.run([_exe(), "sample", _store(tmp_path), str(cache_dir), "--window", "4", "--records", "100",
+                             "--workers", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    stats = Cache(cache_dir).stats()
+    assert stats.records <= 102 and stats.temporaries == 0
+    assert f"sampled {stats.records} records in {stats.shards} shards" in result.stdout
+
+
+def test_version_bare_command_and_help_texts(capsys):
+    import growcache
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"growcache {growcache.__version__}"
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: growcache" in err and all(name in err for name in ("status", "verify", "sample", "demo", "bench"))
+    assert main(["status", "--help"]) == 0
+    assert "the cache directory" in capsys.readouterr().out
+
+
+def test_bench_runs_the_checkout_script_in_its_own_process(tmp_path):
+    result = subprocess.run([_exe(), "bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: growcache bench") and "throughput.py" not in result.stdout.split("\n")[0]
+    # An installed growcache has no benchmarks/ beside it: the command says how to get them.
+    import shutil
+
+    import growcache
+
+    shutil.copytree(os.path.dirname(growcache.__file__), tmp_path / "site" / "growcache")
+    code = "import sys; from growcache.cli import main; sys.exit(main(['bench']))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert result.returncode == 2, result.stderr
+    assert "source checkout" in result.stderr and "Clone the growcache repository" in result.stderr
+
+
+def test_progress_without_a_terminal_is_a_status_line_every_interval(tmp_path, id_cache):
+    result = subprocess.run([_exe(), "sample", _store(tmp_path, rows=4000), str(tmp_path / "c"), "--window", "4",
+                             "--records", "3000", "--status-interval", "0.1", "--shard-size", "4KB"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("sample: ")]
+    assert len(lines) >= 2 and "\r" not in result.stderr, result.stderr
+    assert lines[-1].startswith("sample: 3000 of 3000 rec (100%)")
+    assert any(not line.split(", ")[1].startswith("0 rec/s") for line in lines), "the rate is measured, not 0"
+    write_shards(id_cache, [3, 3])
+    result = subprocess.run([_exe(), "verify", id_cache.path], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr.startswith("verify: "), result.stderr
+
+
+def test_progress_on_a_terminal_routes_log_lines_through_the_bar():
+    import io
+    import logging
+
+    from growcache._progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)
+    root.addHandler(console)
+    try:
+        with Progress("work", total=10, unit="rec", stream=Terminal()) as progress:
+            progress.update(5, "half")
+            assert console not in root.handlers, "log lines go through tqdm.write while the bar is up"
+        assert console in root.handlers
+    finally:
+        root.removeHandler(console)
+
+
+SECRET = "PLANTED-cli-s3cr3t-77aa"
+
+
+def test_a_malformed_storage_option_never_echoes_its_value(tmp_path, capsys):
+    store = f"file://{tmp_path}/none/*.npy"
+    for options in ([SECRET], [f"secret:{SECRET}"], [f'client_kwargs={{"aws_secret_access_key": "{SECRET}"'],
+                    [f'secret={{"x": {SECRET}'], [f"secret={SECRET}", "secret.inner=1"],
+                    ["client_kwargs.x=1", f"client_kwargs={SECRET}"]):
+        flags = [f"--storage-option={o}" for o in options]
+        assert main(["sample", store, str(tmp_path / "c"), *flags]) == 2, options
+        err = capsys.readouterr().err
+        assert "--storage-option" in err and SECRET not in err, err
+        assert main(["demo", "--workdir", str(tmp_path / "w"), *flags]) == 2, options
+        assert SECRET not in capsys.readouterr().err
+
+
+def test_a_refused_store_fails_the_command_within_the_deadline_with_one_error(tmp_path):
+    import time
+
+    from stores import free_port
+
+    start = time.monotonic()
+    result = subprocess.run(
+        [_exe(), "sample", "s3://growcache-test/a.npy", str(tmp_path / "c"), "--window", "2", "--retry-deadline", "3",
+         "--retries", "50", f"--storage-option=client_kwargs.endpoint_url=http://127.0.0.1:{free_port()}",
+         "--storage-option=key=anykey", f"--storage-option=secret={SECRET}"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, AWS_EC2_METADATA_DISABLED="true"))
+    took = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("growcache sample: reading"), result.stderr
+    assert "s3://growcache-test/a.npy" in lines[0] and SECRET not in result.stderr
+    assert took < 30, f"took {took:.1f} s"
+
+
+def test_a_source_of_another_shape_is_one_error_with_a_cli_hint(tmp_path):
+    store = _store(tmp_path)
+    cache_dir = str(tmp_path / "c")
+    assert main(["sample", store, cache_dir, "--window", "4", "--records", "10", "-q"]) == 0
+    result = subprocess.run([_exe(), "sample", store, cache_dir, "--window", "8", "--records", "10", "--workers", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "feature 'x': the cache stores dtype int32 shape (4, 3), the source gives dtype int32 shape (8, 3)" in lines[0]
+    assert "--window 4" in lines[0] and "astype" not in lines[0]
