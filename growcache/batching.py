@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import CorruptShardError
 from .example import ExampleCodec
-from .records import iter_records
+from .records import count_checked, iter_records
 from .schema import Schema
 
 __all__ = ["BatchReader", "Frames", "ReaderShare", "Skipped", "default_shuffle_buffer", "growcache_frames"]
@@ -214,7 +214,7 @@ class BatchReader:
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for _, record in self.frames(path, self.verify):
+                for _, record in count_checked(path, self.frames(path, self.verify)):
                     got += 1
                     remaining -= 1
                     if not window:

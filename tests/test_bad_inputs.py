@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from stores import Store, free_port, s3, s3_server  # noqa: F401
 
 from growcache import (
@@ -343,3 +345,28 @@ def test_verify_exits_1_on_a_corrupt_or_short_shard_and_status_and_prune_still_w
     assert code == 1 and f"CORRUPT {first.path}" in output and "holds 4 records, its name says 5" in output
     assert f"CORRUPT {second.path}" in output
     assert _cli("status", cache.path)[0] == 0 and _cli("prune", cache.path)[0] == 0
+
+
+# -- random damage to random shards (issue 17's property test; the epoch parts are in
+# tests/torch/test_hostile_shards.py and tests/tf/test_hostile_shards.py) ------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_bytes_over_random_shards_are_reported_by_file_and_never_crash_verify(tmp_path_factory, data):
+    from growcache.example import ExampleCodec
+
+    from hostile import damaged_cache
+
+    cache, damaged, ids = damaged_cache(str(tmp_path_factory.mktemp("c") / "cache"), data)
+    report = cache.verify()
+    assert {c.path for c in report.corrupt} == damaged
+    for error in report.corrupt:
+        assert error.path in str(error) and f"offset {error.offset}" in str(error)
+    codec = ExampleCodec(ID_SCHEMA)
+    for shard in cache.list_shards():
+        if shard.path in damaged:
+            continue
+        decoded = [codec.decode(r) for _, r in iter_records(shard.path)]
+        assert [int(d["id"]) for d in decoded] == ids[shard.path]
+        assert all(np.array_equal(d["x"], id_sample(int(d["id"]))["x"]) for d in decoded)
+    code, output = _cli("verify", "-q", cache.path)
+    assert code == (1 if damaged else 0) and all(f"CORRUPT {p}" in output for p in damaged)
