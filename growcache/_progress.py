@@ -41,10 +41,11 @@ class Progress:
         interval: seconds between status lines without a terminal. Default: ``10.0``.
         quiet: show nothing. Default: ``False``.
         stream: where to write. Default: ``sys.stderr``.
+        last_line: without a terminal, write a last status line at the end. Default: ``True``.
     """
 
     def __init__(self, desc: str, *, total: float | None = None, unit: str = "", interval: float = DEFAULT_INTERVAL,
-                 quiet: bool = False, stream: TextIO | None = None) -> None:
+                 quiet: bool = False, stream: TextIO | None = None, last_line: bool = True) -> None:
         if not interval > 0:
             raise ValueError(f"the status interval must be positive seconds, got {interval!r}")
         self.desc = desc
@@ -53,6 +54,7 @@ class Progress:
         self.interval = interval
         self.quiet = quiet
         self.stream = stream if stream is not None else sys.stderr
+        self.last_line = last_line
         self.n = 0.0
         self.postfix = ""
         self._started = time.monotonic()
@@ -155,4 +157,5 @@ class Progress:
         if self._ticker is not None:
             self._ticker.join()
             self._ticker = None
-            self._write(self.line())
+            if self.last_line:
+                self._write(self.line())

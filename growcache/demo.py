@@ -178,7 +178,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     if progress is None:
                         progress = Progress(f"{framework} epoch {row['epoch']}", unit="rec",
                                             interval=getattr(args, "status_interval", DEFAULT_INTERVAL),
-                                            quiet=getattr(args, "quiet", False)).__enter__()
+                                            quiet=getattr(args, "quiet", False), last_line=False).__enter__()
                     progress.update(row["progress"])
                     continue
                 if progress is not None:

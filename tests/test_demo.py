@@ -10,20 +10,25 @@ import sys
 import pytest
 
 ROW = re.compile(r"^(torch|tf)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s")
+# framework epoch shards new evicted records MB/s CPU% sampler-MB/s cache(size unit) loss
+ROW_WHOLE = re.compile(r"^(torch|tf) +(\d+ +){5}[\d.]+ +\d+ +[\d.]+ +[\d.]+ [KMG]?B +(-?[\d.]+|nan)$")
 
 
 @pytest.mark.timeout(240)
 def test_demo_quick_grows_the_cache_for_both_frameworks(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "growcache")
+    # stderr into the same pipe, as under nohup or SLURM: nothing may land inside the table.
     result = subprocess.run(
         [exe, "demo", "--quick", "--framework", "both", "--workdir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=220,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=220,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout
+    assert "\r" not in result.stdout and "rec/s" not in result.stdout, "no progress bar without a terminal"
     rows: dict[str, list[tuple[int, ...]]] = {"torch": [], "tf": []}
     for line in result.stdout.splitlines():
         match = ROW.match(line)
         if match:
+            assert ROW_WHOLE.match(line), f"a table row with something else in it: {line!r}"
             rows[match.group(1)].append(tuple(int(g) for g in match.groups()[1:]))
     for framework, epochs in rows.items():
         assert len(epochs) == 3, f"{framework}: {epochs}\n{result.stdout}"
