@@ -15,6 +15,7 @@ builds on it to stream a remote dataset through a cache.
 from __future__ import annotations
 
 import ast
+import itertools
 import logging
 import os
 import struct
@@ -142,22 +143,25 @@ class TFRecordFiles(_StoreSource):
             position += len(data)
             yield data
 
-    def compression(self, path: str, size: int | None = None) -> str | None:
-        """How ``path`` is compressed (see :func:`detect_compression`); one small read."""
-        size = self.size(path) if size is None else size
-        return detect_compression(self._fetch(path, 0, min(size, 64))) if size else None
-
     def stream(self, path: str, start: int = 0) -> tuple[Iterator[bytes], str | None]:
         """``(chunks of the uncompressed stream from offset start, compression)`` of ``path``.
 
         A compressed file is inflated from its beginning and the first ``start`` bytes are
-        dropped; a plain one is read from ``start`` by byte range.
+        dropped; a plain one is read from ``start`` by byte range. The compression is told
+        by the first chunk (read once), or by its first bytes when ``start`` is past it.
         """
         size = self.size(path)
-        compression = self.compression(path, size)
+        if start > 0:
+            head = self._fetch(path, 0, min(size, 64))
+            if detect_compression(head) is None:
+                return self.chunks(path, start, size), None
+        head_end = min(size, self.chunk_bytes)
+        head = self._fetch(path, 0, head_end) if size else b""
+        compression = detect_compression(head[:64]) if head else None
+        raw = itertools.chain([head] if head else [], self.chunks(path, head_end, size))
         if compression is None:
-            return self.chunks(path, start, size), None
-        return _skip(_inflate(self.chunks(path, 0, size), compression, self._url(path)), start), compression
+            return raw, None
+        return _skip(_inflate(raw, compression, self._url(path)), start), compression
 
 
 def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator[bytes]:

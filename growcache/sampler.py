@@ -14,6 +14,17 @@ The training process sees workers through shared counters and an error queue: a
 bounded number of times, and their temporary shard files are removed; published shards
 are never touched.
 
+A source is one of two kinds:
+
+* a *sample source* (:class:`~growcache.sources.Source`, or a plain ``sample(rng) -> dict``
+  function): the worker encodes its samples into shards, as above;
+* a *shard source* (:class:`~growcache.shard_source.ShardSource`, such as
+  :class:`~growcache.TFRecordShardSource`): ``fetch(job)`` yields whole verified temporary
+  shard files, which the worker publishes as they come (each one's ``commit`` hook runs
+  under the cache lock as it appears); an empty ``fetch`` means nothing to do now, and
+  the worker asks again shortly. ``shard_size`` caps the shards it yields;
+  ``max_shard_age`` and ``stop_after`` do not apply.
+
 Worker exit reasons, and what the pool does:
 
 * a :class:`~growcache.TransientSourceError` (the store kept failing after its retries)
@@ -34,6 +45,7 @@ pool warns once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -55,7 +67,9 @@ from ._size import format_size, parse_size
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
+from .manifest import _unlink_quiet
 from .records import FOOTER_BYTES, HEADER_BYTES
+from .shard_source import FetchJob, ShardSource
 from .sources import Source, as_source
 from .writer import remove_abandoned_temporaries
 
@@ -67,6 +81,7 @@ logger = logging.getLogger(__name__)
 _RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB, _CLAIMED, _DONE = range(9)
 _NSLOTS = 9
 _POLL_S = 0.05
+_FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
@@ -150,7 +165,8 @@ class SamplerPool:
             against it.
         source: a :class:`~growcache.sources.Source` or a picklable function
             ``sample(rng) -> dict[str, ndarray]`` (a module-level function: lambdas and
-            closures cannot reach spawned processes).
+            closures cannot reach spawned processes); or a shard source such as
+            :class:`~growcache.TFRecordShardSource` (see the module docstring).
         workers: sampler processes. Default: ``1``.
         shard_size: a shard is published before it would grow past this size (int or
             ``"256MB"``). Default: ``"256MB"``, or a quarter of the cache's capacity if
@@ -220,7 +236,12 @@ class SamplerPool:
             raise ValueError(
                 f"shard_size={format_size(size)} is smaller than one record ({format_size(frame)}): raise shard_size"
             )
-        source = as_source(source)
+        if isinstance(source, ShardSource):
+            if stop_after is not None:
+                raise ValueError("stop_after counts sampled records; a shard source copies whole shards: "
+                                 "stop the pool with stop() instead")
+        else:
+            source = as_source(source)
         try:
             pickled = pickle.dumps(source)
             pickle.loads(pickled)
@@ -768,6 +789,9 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
     writer = None
     source = cfg.source
     try:
+        if isinstance(source, ShardSource):
+            _fetch_shards(cfg, index, counters, stopping)
+            return
         cache, rng = cfg.cache, worker_rng(cfg.seed, index, restart, cfg.run)
         opened = 0.0
         sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
@@ -830,6 +854,44 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
             writer.abort()
         events.close()
         events.join_thread()  # the report must reach the pipe before the process exits
+
+
+def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Callable[[], bool]) -> None:
+    """The worker loop of a shard source: publish every shard it fetches; ask again when it has none."""
+    base = index * _NSLOTS
+    cache = cfg.cache
+
+    def progress(nbytes: int) -> None:  # once per record copied
+        counters[base + _RECORDS] += 1
+        counters[base + _BYTES] += nbytes
+
+    job = FetchJob(cache, cfg.seed, index, stopping, max_bytes=cfg.shard_size, progress=progress)
+    while not stopping():
+        published = 0
+        with contextlib.closing(cfg.source.fetch(job)) as shards:
+            for shard in shards:
+                try:
+                    info = cache._publish(shard.path, shard.records, shard.nbytes, should_stop=stopping,
+                                          before_publish=shard.commit)
+                except CacheFullError:
+                    _unlink_quiet(shard.path)
+                    if not stopping():
+                        raise
+                    counters[base + _DISCARDED] += 1  # stopping while leases fill the budget
+                    return
+                except BaseException:
+                    _unlink_quiet(shard.path)
+                    raise
+                published += 1
+                counters[base + _PUB_RECORDS] += info.records
+                counters[base + _PUB_BYTES] += info.nbytes
+                counters[base + _SHARDS] += 1
+                counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
+        if not published:  # other workers hold the rest of the pass, or the cache holds it all
+            deadline = time.monotonic() + _FETCH_IDLE_S
+            while time.monotonic() < deadline and not stopping():
+                time.sleep(_POLL_S)
+    counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
 
 
 class _SampleWatch:

@@ -263,6 +263,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         paths = self.paths()
         with cache._locked():
             state = self._read(cache)
+            unchanged = json.dumps(state, sort_keys=True)  # workers poll: write only what changes
             state["known"] = len(paths)
             _prune(state, {s.seq for s in cache.list_shards()})
             done = set(state["done"])
@@ -271,7 +272,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 # takes the shards the cache no longer holds, in a new order.
                 todo = sorted(p for p in paths if not _holds(state, p))
                 if not todo:
-                    self._write(cache, state)
+                    if json.dumps(state, sort_keys=True) != unchanged:
+                        self._write(cache, state)
                     return None
                 number = state["pass"] + 1
                 rng = np.random.default_rng(np.random.SeedSequence(job.seed, spawn_key=(number,)))
@@ -289,7 +291,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                                 "worker": job.worker}
                 self._write(cache, state)
                 return _Claim(path, _missing(state, path))
-            self._write(cache, state)
+            if json.dumps(state, sort_keys=True) != unchanged:
+                self._write(cache, state)
             return None  # the rest of the pass is being fetched by other workers
 
     def _commit(self, cache: Cache, path: str, start: int, end: int, info: ShardInfo) -> None:
