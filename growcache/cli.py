@@ -98,6 +98,8 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from .shard_source import pass_progress
+
     cache = _existing_cache(args.path)
     s = cache.stats()
     rows = [
@@ -116,6 +118,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
            for path in getattr(s, "irregular", ()))),
         ("oldest", _time(s.oldest_publish_time)),
         ("newest", _time(s.newest_publish_time)),
+        *((("source", f"{p.source}: pass {p.pass_number}, {p.fetched} of {p.total} shards fetched "
+                      f"({p.in_flight} in flight); the cache holds {p.held} of {p.known} whole")
+           for p in pass_progress(cache))),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -414,6 +419,72 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from exc
 
 
+# -- import, schema -------------------------------------------------------------------------------
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sources", nargs="+", metavar="SRC",
+                   help="TFRecord files (plain, GZIP or ZLIB): paths, globs or fsspec URLs such as gs://bucket/train-*")
+    p.add_argument("cache", help="the cache directory (created if missing)")
+    p.add_argument("--schema", default=None,
+                   help="the records' schema as `growcache schema` prints it (default: the cache's; for a new cache, "
+                        "inferred from the first file)")
+    p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
+    p.add_argument("--max-shard-records", type=int, default=None, help="cut files into shards of at most N records")
+    p.add_argument("--max-shard-size", type=_size_arg, default=None, help="cut files into shards of at most this size")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to fsspec; nested keys with dots; repeatable")
+    _progress_arguments(p)
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from .importer import import_files, parse_schema
+
+    try:  # bad flags are usage errors, exit 2
+        options = parse_storage_options(args.storage_option)
+        schema = parse_schema(args.schema) if args.schema is not None else None
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from exc
+    if args.max_shard_records is not None and args.max_shard_records < 1:
+        raise _UsageError(f"--max-shard-records must be at least 1, got {args.max_shard_records}")
+    with _progress(args, "import", unit="B") as progress:
+        copied = [0, 0]  # bytes copied, bytes shown
+
+        def on_bytes(nbytes: int) -> None:
+            copied[0] += nbytes
+            if copied[0] - copied[1] >= 1 << 20:
+                copied[1] = copied[0]
+                progress.update(copied[0])
+
+        report = import_files(args.sources, args.cache, schema=schema, capacity=args.capacity, storage_options=options,
+                              max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
+                              progress=on_bytes)
+        progress.update(copied[0])
+    for path, reason in report.refused:
+        print(f"REFUSED {path}: {reason}")
+    print(f"imported {report.files} files: {report.records} records in {report.shards} shards "
+          f"({format_size(report.bytes)}); {len(report.refused)} refused; schema {report.schema!r}")
+    return 1 if report.refused else 0
+
+
+def _schema_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a TFRecord file (plain, GZIP or ZLIB): a path or fsspec URL")
+    p.add_argument("--records", type=int, default=16, help="records to read (default: 16)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to fsspec; nested keys with dots; repeatable")
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .importer import infer_schema
+
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from exc
+    if args.records < 1:
+        raise _UsageError(f"--records must be at least 1, got {args.records}")
+    print(repr(infer_schema(args.file, records=args.records, storage_options=options)))
+    return 0
+
+
 # -- bench ----------------------------------------------------------------------------------------
 _BENCH = os.path.join("benchmarks", "throughput.py")
 
@@ -452,6 +523,10 @@ COMMANDS: list[Command] = [
             _sample_arguments, _cmd_sample),
     Command("demo", "the whole product on an embedded store: sample, cache, train, per-epoch table",
             _demo_arguments, _cmd_demo),
+    Command("import", "copy existing TFRecord files (plain, GZIP, ZLIB; paths, globs, URLs) into a cache, each "
+            "record checked", _import_arguments, _cmd_import),
+    Command("schema", "print the schema of a TFRecord file's records, as Schema(...) accepts it", _schema_arguments,
+            _cmd_schema),
     Command("bench", f"framework throughput benchmark ({_BENCH} of a source checkout; --help for its flags)",
             _bench_arguments, _cmd_bench),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,44 @@ def test_import_growcache_imports_no_framework():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+FRAMEWORKS = ("tensorflow", "torch", "tfrecord", "keras")
+
+
+def _framework_imports(path: Path) -> list[str]:
+    """Every import of a framework in a module, at any depth: top level, functions, methods, try blocks."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [f"{path.name}:{node.lineno} imports {name}" for name in names
+                  if name.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def test_no_core_module_imports_a_framework_anywhere():
+    # Importing the modules (above) only sees top-level imports; an import inside a function
+    # runs later, in a training process or a sampler worker. Read every module's source instead.
+    modules = sorted(Path(growcache.__file__).parent.rglob("*.py"))
+    assert len(modules) > 10
+    offenders = [hit for path in modules for hit in _framework_imports(path)]
+    assert offenders == [], "growcache/ must stay framework-free; move this to adapters/: " + ", ".join(offenders)
+
+
+def test_the_framework_scan_sees_imports_inside_functions(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    import torch.nn\n\nclass C:\n    def g(self):\n"
+                      "        from tensorflow import keras\n        importlib.import_module('tfrecord')\n")
+    assert len(_framework_imports(module)) == 3
 
 
 def test_all_is_sorted_and_resolvable():
