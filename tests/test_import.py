@@ -174,3 +174,40 @@ def test_empty_file_is_refused(tmp_path):
     assert "holds no records" in reason
     with pytest.raises(CorruptShardError, match="holds no records"):
         infer_schema(str(tmp_path / "a.tfrecord"))
+
+
+def test_cli_schema_import_and_status(tmp_path, capsys):
+    from growcache.cli import main
+
+    (tmp_path / "a.tfrecord.gz").write_bytes(compress(framed([labelled(0, i) for i in range(5)]), "GZIP"))
+    (tmp_path / "b.tfrecord").write_bytes(framed([labelled(1, i) for i in range(4)]))
+    bad = framed([example([("label", float_feature([1.0])), ("x", bytes_feature(bytes(64)))])])
+    (tmp_path / "c.tfrecord").write_bytes(bad)
+    assert main(["schema", str(tmp_path / "a.tfrecord.gz")]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == "Schema({'label': ('int64', (), 'int64_list'), 'x': ('uint8', (64,))})"
+    cache = str(tmp_path / "cache")
+    assert main(["import", "-q", str(tmp_path / "*.tfrecord*"), cache, "--schema", printed,
+                 "--max-shard-records", "2"]) == 1  # c.tfrecord is refused
+    out = capsys.readouterr().out
+    assert f"REFUSED {tmp_path / 'c.tfrecord'}" in out and "'label'" in out
+    assert "imported 2 files: 9 records in 5 shards" in out
+    assert main(["import", str(tmp_path / "b.tfrecord"), cache, "--schema", "{'x': 1"]) == 2
+    assert main(["import", str(tmp_path / "b.tfrecord"), cache, "--max-shard-records", "0"]) == 2
+    assert main(["schema", str(tmp_path / "missing.tfrecord")]) == 1
+
+
+def test_status_shows_pass_progress(tmp_path, capsys):
+    from growcache import TFRecordShardSource
+    from growcache.cli import main
+    from growcache.shard_source import FetchJob
+
+    os.makedirs(tmp_path / "remote")
+    for shard in range(3):
+        (tmp_path / "remote" / f"train-{shard}").write_bytes(framed([labelled(shard, i) for i in range(2)]))
+    cache = Cache(tmp_path / "cache", schema=LABELLED)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "train-*"))
+    for shard in source.fetch(FetchJob(cache, 0, 0, lambda: False)):
+        cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit)
+    assert main(["status", cache.path]) == 0
+    assert "pass 1, 1 of 3 shards fetched (0 in flight); the cache holds 1 of 3 whole" in capsys.readouterr().out
