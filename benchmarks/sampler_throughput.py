@@ -103,7 +103,9 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
     # Room for everything written, so eviction never runs: this measures writing.
     cache = Cache(directory, capacity=total + 2 * workers * shard_size + (64 << 20), schema=schema)
     source = NpyWindowSource(source_url, 1, header_bytes=4096)
-    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size, max_shard_age=None, seed=0)
+    # stop_after: exactly the target, the last shards partial (no worker samples on to fill one).
+    pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size, max_shard_age=None, seed=0,
+                       stop_after=records)
     rss_trace: dict[int, list[tuple[float, int]]] = {}
     t0 = time.perf_counter()
     first = None
@@ -118,7 +120,7 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
                 if rss is not None:
                     rss_trace.setdefault(index, []).append((round(now - t0, 2), rss))
             pool.raise_if_failed()
-            if stats.records >= records:
+            if stats.finished:
                 break
             time.sleep(0.02)
         end = time.perf_counter()
