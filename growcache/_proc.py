@@ -1,16 +1,19 @@
 """Who owns a file in a cache, and whether that owner still lives.
 
 Leases, temporary shards and shared-memory slabs carry their owner's ``(pid, start time)``
-(which survives pid reuse) and a tag of the machine it runs on. On this machine, the
-process table decides. Another machine's process table is out of reach, so an owner there
-proves it lives with a *heartbeat*: every process refreshes the modification time of the
-files it owns every :func:`heartbeat_interval` seconds, and a file of another machine whose
-heartbeat is older than :func:`owner_expiry` belongs to a dead owner. The same rule settles
-a container restarted under a new hostname, whose old files look like another machine's.
+(which survives pid reuse) and a tag of the *process table* it lives in (:func:`this_host`:
+the kernel's boot id and pid namespace). Where the tag is ours, the process table decides.
+Another table (another machine sharing the cache's filesystem, or another container's pid
+namespace) is out of reach, so an owner there proves it lives with a *heartbeat*: every
+process refreshes the modification time of the files it owns every
+:func:`heartbeat_interval` seconds, and such a file whose heartbeat is older than
+:func:`owner_expiry` belongs to a dead owner. A hostname is never trusted to tell machines
+apart: containers share hostnames, and get new ones when they restart.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -59,9 +62,31 @@ def node_name() -> str:
     return os.environ.get(_NODE_ENV) or socket.gethostname()
 
 
+@functools.lru_cache(maxsize=1)
+def _process_table() -> str:
+    # Same boot and same pid namespace: exactly the processes whose pids this process can check.
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # no procfs: the hostname is the best there is
+        boot = socket.gethostname()
+    try:
+        namespace = os.stat("/proc/self/ns/pid")
+        table = f"{namespace.st_dev}:{namespace.st_ino}"
+    except OSError:
+        table = ""
+    return f"{boot}/{table}"
+
+
 def this_host() -> str:
-    """A short tag of :func:`node_name`, stored with every lease, temporary and slab name."""
-    return hashlib.sha1(node_name().encode()).hexdigest()[:8]
+    """A short tag of this process table, stored with every lease, temporary and slab name.
+
+    Processes with the same tag can check each other's pids. ``$GROWCACHE_NODE``, where set,
+    replaces the table's identity: processes with different values never judge each other's
+    pids (only heartbeats).
+    """
+    node = os.environ.get(_NODE_ENV)
+    return hashlib.sha1((f"node:{node}" if node else _process_table()).encode()).hexdigest()[:8]
 
 
 def owner_expiry() -> float:
@@ -95,10 +120,10 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbea
 
     Args:
         pid, start_time: the owner process (``start_time`` ``None``: any process with that pid).
-        host: the owner's machine tag; ``None`` (files of old versions) or :func:`this_host`
-            means this machine, where the process table decides.
-        heartbeat: modification time of the owner's file. Another machine's owner lives
-            while it is younger than :func:`owner_expiry`; ``None`` counts it alive.
+        host: the owner's process-table tag; ``None`` (files of old versions) or
+            :func:`this_host` means ours, where the process table decides.
+        heartbeat: modification time of the owner's file. An owner in another process table
+            lives while it is younger than :func:`owner_expiry`; ``None`` counts it alive.
     """
     if host is not None and host != this_host():
         return heartbeat is None or time.time() - heartbeat <= owner_expiry()

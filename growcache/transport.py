@@ -48,7 +48,7 @@ unlinks them if the consumer itself is killed.
 
 A kill of the whole process group (``scancel``, ``docker kill``, an OOM kill of the
 cgroup) takes the resource tracker with the consumer. So a named slab carries its owner
-in its name, ``growcache-<pid>-<start time>-<machine tag>-<token>``, the same identity as
+in its name, ``growcache-<pid>-<start time>-<process table>-<token>``, the same identity as
 a lease (see :mod:`growcache._proc`), and its heartbeat in its modification time; the next
 growcache process to create a slab, open a cache or prune one removes every growcache
 segment whose owner is dead (:func:`remove_dead_segments`).

@@ -586,42 +586,72 @@ def test_shared_memory_of_a_killed_process_group_is_removed_at_the_next_start(tm
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-def _hostname_prefix(name: str) -> tuple[list[str], dict[str, str]]:
-    """A command prefix (and environment) that runs a process under hostname ``name``."""
+def _hostname_prefix(name: str) -> list[str]:
+    """A command prefix that runs a process under hostname ``name`` (a UTS namespace)."""
     for prefix in (["unshare", "--uts"], ["unshare", "--user", "--map-root-user", "--uts"]):
-        probe = subprocess.run([*prefix, "hostname", name], capture_output=True)
-        if probe.returncode == 0:
-            return [*prefix, "sh", "-c", f'hostname {name} && exec "$0" "$@"'], {}
-    return [], {"GROWCACHE_NODE": name}  # no namespaces here: growcache's documented override
+        if subprocess.run([*prefix, "hostname", name], capture_output=True).returncode == 0:
+            return [*prefix, "sh", "-c", f'hostname {name} && exec "$0" "$@"']
+    pytest.fail("cannot run a process under another hostname here (unshare --uts, with or without a user "
+                "namespace, is refused)")
 
 
-def _lease_holder(cache: Cache, expiry: float) -> subprocess.Popen:
-    prefix, env = _hostname_prefix("old-hostname")
+def _other_process_table() -> tuple[list[str], dict[str, str]]:
+    """A command prefix (and environment) whose process runs where this one cannot check its
+    pid: a new pid namespace, as in a restarted container or on another machine."""
+    for prefix in (["unshare", "--pid", "--fork", "--mount-proc"],
+                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]):
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix, {}
+    return [], {"GROWCACHE_NODE": "another-machine"}  # growcache's documented override of the table's identity
+
+
+def _lease_holder(cache: Cache, prefix: list[str], env: dict[str, str]) -> subprocess.Popen:
     code = (f"import growcache, time; s = growcache.Cache({cache.path!r}).snapshot(holder='old trainer'); "
             "print(len(s), flush=True); time.sleep(120)")
     child = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=dict(os.environ, GROWCACHE_OWNER_EXPIRY=str(expiry), **env))
+                             text=True, env=dict(os.environ, **env), start_new_session=True)
     assert child.stdout.readline().strip() == "2"
     return child
 
 
-def test_leases_of_a_trainer_restarted_under_a_new_hostname_expire(tmp_path, monkeypatch):
+def _kill_group(child: subprocess.Popen) -> str:
+    import signal
+
+    os.killpg(child.pid, signal.SIGKILL)
+    return child.communicate(timeout=30)[1]
+
+
+def test_the_leases_of_a_trainer_killed_under_another_hostname_expire_at_once(tmp_path):
+    # A container restarted under a new hostname: the hostname never decided whose pid is checkable.
+    cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    child = _lease_holder(cache, _hostname_prefix("old-hostname"), {})
+    write_shards(cache, [8], first_id=100)
+    Cache(cache.path)
+    assert cache.stats().leases == 1, "a living holder keeps its lease"
+    _kill_group(child)
+    assert [s.seq for s in cache.prune()] == [1]
+    stats = cache.stats()
+    assert stats.leases == 0 and stats.bytes <= stats.capacity
+
+
+def test_leases_of_a_trainer_in_another_process_table_live_by_heartbeat_and_expire(tmp_path, monkeypatch):
     import time
 
     expiry = 1.5
     monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", str(expiry))
     cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
     write_shards(cache, [8, 8])
-    child = _lease_holder(cache, expiry)
+    prefix, env = _other_process_table()
+    child = _lease_holder(cache, prefix, env)
     try:
         write_shards(cache, [8], first_id=100)
         time.sleep(2.5 * expiry)
-        Cache(cache.path)  # opening removes dead holders' leases; a living holder's heartbeat keeps its own
+        Cache(cache.path)  # opening removes dead holders' leases; this one's heartbeat keeps it
         assert cache.stats().leases == 1 and len(cache.list_shards()) == 3
     finally:
-        child.kill()
-        child.wait()
-    Cache(cache.path)  # just killed: its last heartbeat is still fresh
+        _kill_group(child)
+    Cache(cache.path)  # just killed: its last heartbeat is still fresh, and its pid is not ours to check
     assert cache.stats().leases == 1
     time.sleep(expiry + 0.5)
     cache.prune()
@@ -630,7 +660,8 @@ def test_leases_of_a_trainer_restarted_under_a_new_hostname_expire(tmp_path, mon
     assert [s.seq for s in cache.list_shards()] == [2, 3] and stats.bytes <= stats.capacity
 
 
-def test_a_stopped_trainer_on_another_machine_loses_its_lease_after_the_expiry_and_says_so(tmp_path, monkeypatch):
+def test_a_stopped_trainer_in_another_process_table_loses_its_lease_after_the_expiry_and_says_so(
+        tmp_path, monkeypatch):
     import signal
     import time
 
@@ -638,15 +669,14 @@ def test_a_stopped_trainer_on_another_machine_loses_its_lease_after_the_expiry_a
     monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", str(expiry))
     cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
     write_shards(cache, [8, 8])
-    child = _lease_holder(cache, expiry)
+    child = _lease_holder(cache, *_other_process_table())
     try:
-        child.send_signal(signal.SIGSTOP)
+        os.killpg(child.pid, signal.SIGSTOP)
         time.sleep(expiry + 1.0)
         cache.prune()
         assert cache.stats().leases == 0
-        child.send_signal(signal.SIGCONT)
+        os.killpg(child.pid, signal.SIGCONT)
         time.sleep(1.0)  # a few heartbeats: the first one finds its lease gone
     finally:
-        child.kill()
-        _, err = child.communicate(timeout=30)
+        err = _kill_group(child)
     assert "was removed while this process still held it" in err and "stopped or frozen" in err
