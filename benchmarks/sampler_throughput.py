@@ -6,7 +6,10 @@ Measured in one run, on the same payload bytes:
   fsynced, as ShardWriter does: the write limit of this disk;
 * ``sampler_<N>w``: a :class:`growcache.SamplerPool` with N workers drawing 1 MiB windows
   (one row of a float32 ``.npy`` array) from ``file://`` by byte range, validating,
-  encoding, CRC-ing and publishing shards durably.
+  encoding, CRC-ing and publishing shards durably;
+* ``shard_source_<N>w`` (with ``--shard-source``): a pool of N workers copying whole
+  TFRecord shards of 1 MiB records from ``file://`` with
+  :class:`growcache.TFRecordShardSource`, checking every record's CRCs and schema.
 
 Reported per run: aggregate payload MB/s (from the first record to the target, and
 including process start-up), each worker's peak RSS, and its RSS sampled over time (to
@@ -14,7 +17,7 @@ show it stays flat). Everything is written under a temporary directory, removed 
 
 Usage::
 
-    python benchmarks/sampler_throughput.py [--total 1GiB] [--workers 1 2] [--json out.json] [--quick]
+    python benchmarks/sampler_throughput.py [--total 1GiB] [--workers 1 2] [--shard-source] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from growcache.sampler import SamplerPool
 from growcache.sources import NpyWindowSource
 
 TARGETS = {"sampler_vs_plain_write": 0.7}
+SHARD_SOURCE_TARGETS = {"shard_source_vs_plain_write": 0.7}
 ROW_BYTES = 1 << 20  # one sample: a 1 MiB row of float32
 
 
@@ -47,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
     parser.add_argument("--json", default=None, help="write all figures to this JSON file")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--shard-source", action="store_true",
+                        help="also measure TFRecordShardSource copying whole TFRecord shards from file://")
     args = parser.parse_args(argv)
     if args.quick:
         args.total, args.shard_size, args.source_rows = "24MiB", "8MiB", 16
@@ -147,6 +153,67 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
     return result
 
 
+def _make_tfrecord_source(root: str, total: int, shard_size: int) -> str:
+    """TFRecord files of 1 MiB records, ``total`` payload bytes in shard-sized files; returns their glob."""
+    from growcache.example import ExampleCodec
+    from growcache.records import frame_pieces
+
+    os.makedirs(root)
+    codec = ExampleCodec(Schema({"x": ("float32", (1, ROW_BYTES // 4))}))
+    rows = [np.random.default_rng(i).integers(0, 2**32, (1, ROW_BYTES // 4), dtype=np.uint32).view(np.float32)
+            for i in range(8)]
+    per_file = max(1, shard_size // (ROW_BYTES + 1024))
+    written = index = 0
+    while written < total:
+        with open(os.path.join(root, f"train-{index:05d}.tfrecord"), "wb") as f:
+            for _ in range(per_file):
+                if written >= total:
+                    break
+                pieces, _ = frame_pieces(codec.encode_pieces({"x": rows[(written // ROW_BYTES) % len(rows)]}))
+                f.writelines(pieces)
+                written += ROW_BYTES
+        index += 1
+    return f"file://{root}/train-*.tfrecord"
+
+
+def _shard_source(directory: str, source_url: str, workers: int, total: int, shard_size: int) -> dict[str, object]:
+    """A pool copying every remote shard once (one pass) into a cache with room for all of them."""
+    from growcache import TFRecordShardSource
+
+    records = total // ROW_BYTES
+    schema = Schema({"x": ("float32", (1, ROW_BYTES // 4))})
+    cache = Cache(directory, capacity=2 * total + 2 * workers * shard_size + (64 << 20), schema=schema)
+    pool = SamplerPool(cache, TFRecordShardSource(source_url), workers=workers, shard_size=2 * shard_size, seed=0)
+    t0 = time.perf_counter()
+    first = None
+    with pool:
+        while True:
+            stats = pool.stats()
+            now = time.perf_counter()
+            if first is None and stats.records_written > 0:
+                first = (now, stats.records_written)
+            pool.raise_if_failed()
+            if stats.records >= records:
+                break
+            time.sleep(0.02)
+        end = time.perf_counter()
+    final = pool.stats()
+    payload = final.records * ROW_BYTES
+    steady_bytes = (final.records - (first[1] if first else 0)) * ROW_BYTES
+    shutil.rmtree(directory)
+    return {
+        "workers": workers,
+        "records": final.records,
+        "payload_bytes": payload,
+        "shards": final.shards,
+        "seconds_with_startup": end - t0,
+        "MBps_with_startup": payload / (end - t0) / 1e6,
+        "MBps": (steady_bytes / (end - first[0]) / 1e6 if first and end - first[0] > 0.2 and steady_bytes > 0
+                 else payload / (end - t0) / 1e6),
+        "worker_peak_rss_MB": [round(r / 1e6, 1) for r in final.worker_peak_rss],
+    }
+
+
 def _quarters(trace: list[tuple[float, int]]) -> list[float]:
     """Max RSS (MB) in the first and the last quarter of the run: equal when RSS is flat."""
     n = max(1, len(trace) // 4)
@@ -159,6 +226,10 @@ def main(args: argparse.Namespace) -> dict[str, object]:
     scratch = args.dir or tempfile.mkdtemp(prefix="growcache-sampler-bench-")
     try:
         source_url = _make_source(os.path.join(scratch, "source"), args.source_rows)
+        tfrecord_url = None
+        if args.shard_source:
+            tfrecord_url = _make_tfrecord_source(os.path.join(scratch, "tfrecords"), total, shard_size)
+            os.sync()  # its writeback must not slow what is measured next
         results: dict[str, object] = {
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
             "total_bytes": total,
@@ -176,6 +247,16 @@ def main(args: argparse.Namespace) -> dict[str, object]:
                 for w in args.workers}}
             for name, target in TARGETS.items()
         }
+        if tfrecord_url is not None:
+            for workers in args.workers:
+                results[f"shard_source_{workers}w"] = _shard_source(
+                    os.path.join(scratch, f"shard-cache-{workers}"), tfrecord_url, workers, total, shard_size)
+            results["targets"].update({  # type: ignore[union-attr]
+                name: {"target": target, **{
+                    f"{w}w": round(results[f"shard_source_{w}w"]["MBps"] / plain, 3)  # type: ignore[index]
+                    for w in args.workers}}
+                for name, target in SHARD_SOURCE_TARGETS.items()
+            })
     finally:
         if args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)

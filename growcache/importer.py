@@ -15,6 +15,7 @@ builds on it to stream a remote dataset through a cache.
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 import logging
 import os
@@ -98,6 +99,7 @@ class CopiedShard:
         nbytes: its size.
         start: stream offset of its first record in the source (uncompressed bytes).
         end: stream offset after its last record.
+        last: the stream ended with it.
     """
 
     path: str
@@ -105,6 +107,7 @@ class CopiedShard:
     nbytes: int
     start: int
     end: int
+    last: bool = False
 
 
 class TFRecordFiles(_StoreSource):
@@ -195,59 +198,102 @@ def _skip(chunks: Iterator[bytes], count: int) -> Iterator[bytes]:
         count = 0
 
 
+class _Cursor:
+    """Bytes of a stream of chunks, taken in runs without copying the chunks.
+
+    A run that lies inside one chunk is a slice of it; only a run that straddles chunks
+    is joined, a copy of that run alone (one frame per chunk boundary).
+    """
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+        self.buffer = b""
+        self.position = 0
+        self.ahead: collections.deque[bytes] = collections.deque()
+
+    def available(self, need: int) -> int:
+        """Bytes left, counted up to ``need`` (pulls chunks until there are that many, or none are left)."""
+        have = len(self.buffer) - self.position + sum(len(c) for c in self.ahead)
+        while have < need:
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                break
+            if chunk:
+                self.ahead.append(chunk)
+                have += len(chunk)
+        return have
+
+    def peek(self, count: int) -> bytes:
+        """The next ``count`` bytes (or fewer at the end), not consumed."""
+        head = self.buffer[self.position:self.position + count]
+        for chunk in self.ahead:
+            if len(head) >= count:
+                break
+            head += chunk[:count - len(head)]
+        return head
+
+    def take(self, count: int) -> tuple[bytes, int, int]:
+        """Consume ``count`` bytes (``available(count)`` said they exist): ``(buffer, start, end)``."""
+        left = len(self.buffer) - self.position
+        if left >= count:
+            start = self.position
+            self.position += count
+            return self.buffer, start, start + count
+        parts = [memoryview(self.buffer)[self.position:]] if left else []
+        need = count - left
+        self.buffer, self.position = b"", 0
+        while need:
+            chunk = self.ahead.popleft()
+            if len(chunk) <= need:
+                parts.append(chunk)
+                need -= len(chunk)
+            else:
+                parts.append(memoryview(chunk)[:need])
+                self.buffer, self.position = chunk, need
+                need = 0
+        joined = b"".join(parts)
+        return joined, 0, count
+
+
 def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
                 ) -> Iterator[tuple[int, bytes, int, int, memoryview]]:
     """Frame a TFRecord byte stream, checking the length CRC, the data CRC and truncation.
 
     Yields ``(offset, buffer, frame start, frame end, record)``: the frame is
-    ``buffer[frame start:frame end]`` (an immutable bytes object, so it may be kept) and
-    ``record`` a view of its data. ``offset`` counts from the stream's ``start``.
+    ``buffer[frame start:frame end]`` (an immutable bytes object, so it may be kept;
+    frames of one chunk share it) and ``record`` a view of its data. ``offset`` counts from
+    the stream's ``start``.
 
     Raises:
         CorruptShardError: a CRC mismatch or a truncated record (source and offset).
+        CompressedFileError: the stream is a compressed file's raw bytes.
     """
-    buffer = b""
-    position = 0
+    cursor = _Cursor(chunks)
     offset = start
-    exhausted = False
-
-    def fill(need: int) -> bool:
-        nonlocal buffer, position, exhausted
-        parts = [buffer[position:]] if position < len(buffer) else []
-        have = len(buffer) - position
-        while have < need and not exhausted:
-            chunk = next(chunks, None)
-            if chunk is None:
-                exhausted = True
-                break
-            parts.append(chunk)
-            have += len(chunk)
-        buffer, position = (parts[0] if len(parts) == 1 else b"".join(parts)), 0
-        return have >= need
-
     while True:
-        if len(buffer) - position < HEADER_BYTES and not fill(HEADER_BYTES):
-            left = len(buffer) - position
+        left = cursor.available(HEADER_BYTES)
+        if left < HEADER_BYTES:
             if left:
                 raise CorruptShardError(source, offset, f"truncated record header ({left} of 12 bytes)")
             return
-        length, length_crc = _LENGTH_AND_CRC.unpack_from(buffer, position)
-        if masked_crc32c(memoryview(buffer)[position:position + 8]) != length_crc:
+        header = cursor.peek(HEADER_BYTES)
+        length, length_crc = _LENGTH_AND_CRC.unpack(header)
+        if masked_crc32c(header[:8]) != length_crc:
             if offset == 0:
-                compression = detect_compression(buffer[position:position + 64])
+                compression = detect_compression(cursor.peek(64))
                 if compression is not None:
                     raise CompressedFileError(compressed_file_message(source, compression))
             raise CorruptShardError(source, offset, "length CRC32C mismatch (corrupt record header)")
         frame = HEADER_BYTES + length + FOOTER_BYTES
-        if len(buffer) - position < frame and not fill(frame):
+        left = cursor.available(frame)
+        if left < frame:
             raise CorruptShardError(source, offset, f"truncated record: needs {frame} bytes, the stream has "
-                                                    f"{len(buffer) - position} left")
-        view = memoryview(buffer)
-        record = view[position + HEADER_BYTES:position + HEADER_BYTES + length]
-        if masked_crc32c(record) != _CRC.unpack_from(buffer, position + HEADER_BYTES + length)[0]:
+                                                    f"{left} left")
+        buffer, begin, end = cursor.take(frame)
+        record = memoryview(buffer)[begin + HEADER_BYTES:end - FOOTER_BYTES]
+        if masked_crc32c(record) != _CRC.unpack_from(buffer, end - FOOTER_BYTES)[0]:
             raise CorruptShardError(source, offset, "data CRC32C mismatch (corrupt record payload)")
-        yield offset, buffer, position, position + frame, record
-        position += frame
+        yield offset, buffer, begin, end, record
         offset += frame
 
 
@@ -302,12 +348,12 @@ class _TempShard:
                     written = 0
         self._pending, self._pending_bytes = [], 0
 
-    def finish(self) -> CopiedShard:
+    def finish(self, last: bool = False) -> CopiedShard:
         self.flush()
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
-        return CopiedShard(self.path, self.records, self.nbytes, self.start, self.end)
+        return CopiedShard(self.path, self.records, self.nbytes, self.start, self.end, last)
 
     def discard(self) -> None:
         if self.fd >= 0:
@@ -363,7 +409,7 @@ def copy_records(
         if checker is not None:
             checker.flush()
         if current is not None:
-            done, current = current.finish(), None
+            done, current = current.finish(last=True), None
             yield done
     finally:
         if current is not None:

@@ -59,15 +59,20 @@ def fsync_dir(path: str) -> None:
 _WRITE_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # the temporaries atomic_write_bytes names
 
 
-def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix."""
+def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
+
+    ``durable=False`` skips the fsyncs: still atomic for every process, but a power failure
+    may bring back the old file (for state that dies with its processes anyway).
+    """
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -75,7 +80,8 @@ def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600) -> None:
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
 
 
 class Manifest:
@@ -151,13 +157,16 @@ class Manifest:
         """
         return self._read_json(self._source_path(key))
 
-    def write_source_state(self, key: str, data: dict[str, Any]) -> None:
-        """Replace the state of the shard source ``key``. Assumes you hold the lock."""
+    def write_source_state(self, key: str, data: dict[str, Any], *, durable: bool = True) -> None:
+        """Replace the state of the shard source ``key``. Assumes you hold the lock.
+
+        ``durable=False`` for changes only live processes care about (claims).
+        """
         try:
             os.mkdir(self.sources_dir, self.file_mode | (self.file_mode & 0o444) >> 2)
         except FileExistsError:
             pass
-        atomic_write_bytes(self._source_path(key), _dumps(data), self.file_mode)
+        atomic_write_bytes(self._source_path(key), _dumps(data), self.file_mode, durable=durable)
 
     def source_states(self) -> list[dict[str, Any]]:
         """The state of every shard source that has used this cache (damaged ones left out)."""

@@ -221,15 +221,21 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 frames = _Until(iter_frames(chunks, url, start), start, stop)
                 pieces = copy_records(frames, cache, RecordChecker(codec, url), max_records=self.max_shard_records,
                                       max_bytes=min(limits) if limits else None, start=start, progress=job.progress)
+                last_segment = (start, stop) == claim.segments[-1]
                 with contextlib.closing(pieces):
                     for piece in pieces:
-                        commit = _Commit(self, cache, claim.path, piece.start, piece.end)
+                        # The last piece's commit also ends the fetch: one state write, not two.
+                        finish = last_segment and piece.last
+                        commit = _Commit(self, cache, claim.path, piece.start, piece.end, finish)
                         yield FetchedShard(piece.path, piece.records, piece.nbytes, commit)
-                        if job.should_stop():
+                        if finish:
+                            done = True
+                        elif job.should_stop():
                             return
                 end = frames.end
-            self._finish(cache, claim.path, end)
-            done = True
+            if not done:  # no records in the last segment (an empty file): end the fetch here
+                self._finish(cache, claim.path, end)
+                done = True
             logger.debug("fetched %s", url)
         finally:
             if not done:
@@ -254,9 +260,10 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         state["source"] = self._redact(", ".join(self.urls))
         return state
 
-    def _write(self, cache: Cache, state: dict[str, Any]) -> None:
-        """Assumes you hold the lock."""
-        cache._manifest.write_source_state(self.key, state)
+    def _write(self, cache: Cache, state: dict[str, Any], *, durable: bool = True) -> None:
+        """Assumes you hold the lock. Claims need no fsync (they die with their processes);
+        what the cache holds does."""
+        cache._manifest.write_source_state(self.key, state, durable=durable)
 
     def _claim(self, job: FetchJob) -> _Claim | None:
         cache = job.cache
@@ -273,7 +280,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 todo = sorted(p for p in paths if not _holds(state, p))
                 if not todo:
                     if json.dumps(state, sort_keys=True) != unchanged:
-                        self._write(cache, state)
+                        self._write(cache, state, durable=False)
                     return None
                 number = state["pass"] + 1
                 rng = np.random.default_rng(np.random.SeedSequence(job.seed, spawn_key=(number,)))
@@ -289,33 +296,29 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 pid, start_time = _proc.this_process()
                 claims[path] = {"pid": pid, "start_time": start_time, "host": _proc.this_host(), "time": time.time(),
                                 "worker": job.worker}
-                self._write(cache, state)
+                self._write(cache, state, durable=False)
                 return _Claim(path, _missing(state, path))
             if json.dumps(state, sort_keys=True) != unchanged:
-                self._write(cache, state)
+                self._write(cache, state, durable=False)
             return None  # the rest of the pass is being fetched by other workers
 
-    def _commit(self, cache: Cache, path: str, start: int, end: int, info: ShardInfo) -> None:
-        """Record that ``info`` holds bytes ``start:end`` of ``path``. Called under the lock."""
+    def _commit(self, cache: Cache, path: str, start: int, end: int, finish: bool, info: ShardInfo) -> None:
+        """Record that ``info`` holds bytes ``start:end`` of ``path``; with ``finish``, that it
+        ends the stream and the fetch. Called under the lock."""
         state = self._read(cache)
         held = state["held"].setdefault(path, {"end": None, "pieces": []})
         held["pieces"].append([info.seq, start, end])
         claim = state["claims"].get(path)
         if claim is not None:
             claim["time"] = time.time()
+        if finish:
+            _mark_fetched(state, path, end)
         self._write(cache, state)
 
-    def _finish(self, cache: Cache, path: str, end: int | None) -> None:
+    def _finish(self, cache: Cache, path: str, end: int) -> None:
         with cache._locked():
             state = self._read(cache)
-            state["claims"].pop(path, None)
-            held = state["held"].setdefault(path, {"end": None, "pieces": []})
-            if end is not None:
-                held["end"] = end
-            if path not in state["done"]:
-                state["done"].append(path)
-            if state["history"]:
-                state["history"][-1]["fetched"].append(path)
+            _mark_fetched(state, path, end)
             self._write(cache, state)
 
     def _release(self, cache: Cache, path: str) -> None:
@@ -324,23 +327,35 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             with cache._locked():
                 state = self._read(cache)
                 state["claims"].pop(path, None)
-                self._write(cache, state)
+                self._write(cache, state, durable=False)
         except OSError as exc:  # a dead claim is taken over anyway, once its process is gone
             logger.warning("could not release the claim on %s in %s: %s", self._url(path), cache.path, exc)
 
 
+def _mark_fetched(state: dict[str, Any], path: str, end: int) -> None:
+    """``path`` is fetched in this pass, and its stream ends at ``end``."""
+    state["claims"].pop(path, None)
+    entry = state["held"].setdefault(path, {"end": None, "pieces": []})
+    entry["end"] = end if entry.get("end") is None else max(entry["end"], end)  # a last gap may end early
+    if path not in state["done"]:
+        state["done"].append(path)
+        if state["history"]:
+            state["history"][-1]["fetched"].append(path)
+
+
 @dataclass(frozen=True)
 class _Commit:
-    """The publish hook of one fetched piece (a picklable partial)."""
+    """The publish hook of one fetched piece."""
 
     source: TFRecordShardSource
     cache: Cache
     path: str
     start: int
     end: int
+    finish: bool
 
     def __call__(self, info: ShardInfo) -> None:
-        self.source._commit(self.cache, self.path, self.start, self.end, info)
+        self.source._commit(self.cache, self.path, self.start, self.end, self.finish, info)
 
 
 class _Until:
