@@ -1,26 +1,27 @@
 """PyTorch adapter: ``make_torch_loader`` turns a growing cache into a ``DataLoader``.
 
-Everything framework-neutral lives in the core: epoch planning (:mod:`growcache.planning`),
-reading and batching into numpy (:mod:`growcache.batching`) and the shared-memory slabs
-(:mod:`growcache.transport`). This module only translates them into DataLoader terms:
+The epoch itself (snapshot, agreement between ranks, plan, shares, lease, corrupt-shard
+report, defaults) is the core's :class:`growcache.epoch.Epochs`; reading and batching is
+:class:`growcache.batching.BatchReader`, and the shared-memory slabs are
+:mod:`growcache.transport`. This module wires them into DataLoader terms:
 
-* ``iter(loader)`` takes the epoch's snapshot in the training process, plans the epoch,
-  and sends each worker its share (numpy arrays) through that worker's queue. Workers,
-  persistent or not, block on their queue at the start of each epoch; a shared generation
-  number tells a persistent worker which message belongs to the epoch it was reset for.
-* Workers frame records with the ``tfrecord`` package, verify CRC32Cs, copy payloads into
-  a slot of their slab and yield a :class:`~growcache.transport.SlotHandle`. The training
-  process turns it into tensors over the slab without a copy (``torch.from_numpy``); the
-  slot is freed when the batch's tensors are garbage collected.
-* The snapshot's lease is released when the last worker has finished the epoch.
+* ``iter(loader)`` starts the epoch in the training process and sends each worker its share
+  through that worker's queue. Workers, persistent or not, block on their queue at the start
+  of each epoch; a shared generation number tells a persistent worker which message belongs
+  to the epoch it was reset for.
+* Workers read their share into a slot of their slab and yield a
+  :class:`~growcache.transport.SlotHandle`; the training process turns it into tensors over
+  the slab without a copy (``torch.from_numpy``).
+* Under ``torch.distributed``, ranks agree on each epoch through two ``all_gather_object``
+  calls (:class:`_CollectiveRendezvous`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue as queue_module
-import socket
 import struct
 import time
 import warnings
@@ -33,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from growcache.batching import BatchReader, ReaderShare, Skipped, default_shuffle_buffer, growcache_frames
+from growcache.batching import ReaderShare, ReaderSpec, Skipped, growcache_frames
 from growcache.cache import Cache
-from growcache.errors import CorruptShardError, EmptyCacheError, GrowcacheError, SchemaError
-from growcache.planning import plan_epoch, reader_seed
+from growcache.epoch import Epoch, EpochOptions, Epochs, Group, node_name
+from growcache.errors import CorruptShardError, GrowcacheError
 from growcache.records import masked_crc32c
+from growcache.rendezvous import EpochShards
 from growcache.transport import BatchLayout, Slab, SlotHandle
 
 __all__ = ["make_torch_loader", "tfrecord_frames"]
@@ -48,6 +50,14 @@ _PLAN_TIMEOUT_S = 300.0
 # Features of at most this many bytes per batch (labels, ids) are copied out of the slab:
 # users keep those (metrics, logging), and a kept view would pin a whole slot.
 _COPY_BELOW = 256 << 10
+_REFUSED = {
+    "shuffle": "shards are reshuffled every epoch by (seed, epoch) and records within each reader's shuffle_buffer: "
+               "pass shuffle_buffer=RECORDS (0 turns the record shuffle off)",
+    "sampler": "the loader plans each epoch itself (whole shards per rank and worker)",
+    "batch_sampler": "batches are formed in the workers: pass batch_size",
+    "collate_fn": "batches are formed in the workers from the cache's schema",
+    "worker_init_fn": "workers are set up by the loader",
+}
 
 
 def tfrecord_frames(path: str, verify: bool) -> Iterator[tuple[int, memoryview]]:
@@ -83,7 +93,13 @@ def tfrecord_frames(path: str, verify: bool) -> Iterator[tuple[int, memoryview]]
             yield offset, data
             offset += length + 16
     finally:
+        # The package closes its file only when its generator runs to the end; one stopped
+        # early (a quota, an error) would leave it to the garbage collector, with a ResourceWarning.
+        frame = records.gi_frame
+        file = frame.f_locals.get("file") if frame is not None else None
         records.close()
+        if file is not None:
+            file.close()
         os.close(fd)
 
 
@@ -116,16 +132,10 @@ def _to_transport(item: Any) -> Any:
 class _CacheStream(IterableDataset):
     """The dataset every worker iterates: one epoch share per ``__iter__``."""
 
-    def __init__(self, schema: Any, batch_size: int, drop_last: bool, verify: bool, on_corrupt: str,
-                 reader: str, slabs: list[Slab], channels: list[Any], generation: Any, shuffle_buffer: int) -> None:
-        self.schema = schema
-        self.shuffle_buffer = shuffle_buffer
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.verify = verify
-        self.on_corrupt = on_corrupt
+    def __init__(self, spec: ReaderSpec, reader: str, channels: list[Any], generation: Any) -> None:
+        self.spec = spec
         self.reader = reader
-        self.slabs = slabs
+        self.slabs: list[Slab] = []
         self.channels = channels
         self.generation = generation
         self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader
@@ -149,12 +159,9 @@ class _CacheStream(IterableDataset):
 
     def _batches(self, generation: int) -> Iterator[Any]:
         info = get_worker_info()
-        reader = BatchReader(self.schema, self.batch_size, frames=_FRAMES[self.reader], verify=self.verify,
-                             on_corrupt=self.on_corrupt, drop_last=self.drop_last,
-                             shuffle_buffer=self.shuffle_buffer)
+        reader = self.spec.build(_FRAMES[self.reader])
         if info is None:
-            message = self.local
-            slab = None
+            message, slab = self.local, None
         else:
             message = self._receive(info.id, generation)
             slab = self.slabs[info.id]
@@ -164,7 +171,7 @@ class _CacheStream(IterableDataset):
         def allocate(rows: int) -> tuple[Any, dict[str, np.ndarray]]:
             claimed = slab.acquire(rows) if slab is not None else None
             if claimed is None:  # no workers, or the trainer holds every slot
-                return None, {n: np.empty((rows, *s.shape), s.dtype) for n, s in self.schema.items()}
+                return None, {n: np.empty((rows, *s.shape), s.dtype) for n, s in self.spec.schema.items()}
             return claimed
 
         def release(key: Any) -> None:
@@ -188,60 +195,110 @@ class _CacheStream(IterableDataset):
             yield _Failure(exc)
 
 
+class _CollectiveRendezvous:
+    """Ranks agree through ``torch.distributed``: one ``all_gather_object`` carries each group's
+    first rank's :class:`~growcache.rendezvous.EpochShards`, a second every rank's lease and
+    batch count (every rank of the world takes part in both, in every epoch)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def share(self, epoch: int, take: Any) -> _CollectiveAgreement:
+        mine = take() if self.group.rank == 0 else None
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        shards: EpochShards = gathered[self.group.first_world_rank]
+        failed = next((s for s in gathered if s is not None and s.error), None)
+        if failed is not None and not shards.error:  # another group's: every rank stops together
+            shards = dataclasses.replace(shards, error=f"another group: {failed.error}", error_type=failed.error_type)
+        return _CollectiveAgreement(shards, self.group.rank == 0)
+
+
+@dataclass
+class _CollectiveAgreement:
+    shards: EpochShards
+    took: bool
+
+    def confirm(self, leased: bool, batches: int) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (leased, batches))
+        return gathered
+
+    def release(self, close: Any) -> None:
+        close()  # every rank leased before the confirmation returned
+
+
+def _world() -> tuple[int, int] | None:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
+
+
+def _nodes_of(cache: Cache) -> Any:
+    def nodes() -> list[str]:
+        # Ranks of one machine reading different caches are different groups, as their shards differ.
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, f"{node_name()} (cache {cache.path})")
+        return names
+
+    return nodes
+
+
+def _collective(group: Group) -> _CollectiveRendezvous | None:
+    return _CollectiveRendezvous(group) if _world() is not None else None
+
+
 class GrowcacheLoader(DataLoader):
     """A ``DataLoader`` whose every ``iter()`` is one epoch on a fresh cache snapshot.
 
     Build it with :func:`make_torch_loader`. Extra attributes:
 
     Attributes:
-        epoch: the epoch the next ``iter()`` reads (``set_epoch`` changes it).
-        skipped: :class:`~growcache.batching.Skipped` notes of corrupt shards passed over.
-        last_plan: the :class:`~growcache.planning.EpochPlan` of the latest epoch.
+        epochs: the core's :class:`~growcache.epoch.Epochs` behind the loader.
+        last_epoch: the :class:`~growcache.epoch.Epoch` the latest ``iter()`` started.
     """
 
-    def __init__(self, cache: Cache, stream: _CacheStream, *, seed: int, even_batches: bool,
-                 wait_for_shards: float, copy: bool, user_pin_memory: bool, slots: int, split: str,
+    def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, user_pin_memory: bool, slots: int,
                  **kwargs: Any) -> None:
         super().__init__(stream, batch_size=None, collate_fn=_to_transport, **kwargs)
-        self._cache = cache
-        self._split = split
+        self.epochs = epochs
         self._stream = stream
-        self._seed = seed
-        self._even = even_batches
-        self._wait = wait_for_shards
         self._copy = copy
         self._pin = user_pin_memory
         self._slots = slots
-        self._pending_lease: Any = None
-        self.epoch = 0
-        self.skipped: list[Skipped] = []
-        self.last_plan = None
+        self.last_epoch: Epoch | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` reads (``set_epoch`` changes it)."""
+        return self.epochs.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next (the shard order depends on ``(seed, epoch)``)."""
-        self.epoch = int(epoch)
+        self.epochs.epoch = int(epoch)
 
-    def _snapshot(self) -> Any:
-        deadline = time.monotonic() + self._wait
-        while True:
-            snapshot = self._cache.snapshot(holder=f"torch loader pid {os.getpid()}")
-            if len(snapshot) or time.monotonic() >= deadline:
-                break
-            snapshot.close()
-            time.sleep(0.05)
-        if not len(snapshot):
-            raise EmptyCacheError(
-                f"cache {self._cache.path} holds no shards after waiting {self._wait} s: start a SamplerPool "
-                "or write shards first, or pass make_torch_loader(..., wait_for_shards=SECONDS)"
-            )
-        return snapshot
+    @property
+    def skipped(self) -> list[Skipped]:
+        """:class:`~growcache.batching.Skipped` notes of corrupt shards passed over, all epochs."""
+        return self.epochs.skipped
+
+    @property
+    def last_plan(self) -> Any:
+        """The :class:`~growcache.planning.EpochPlan` of the latest epoch, set by ``iter()``."""
+        return self.last_epoch.plan if self.last_epoch is not None else None
+
+    def __len__(self) -> int:
+        epoch = self.last_epoch
+        if epoch is None or epoch.ended:
+            raise TypeError(
+                "len(GrowcacheLoader) is known only during an epoch: the cache grows, so each epoch's length is set "
+                "when iter(loader) plans it. Call it after iter(loader), or use loader.last_plan.rank_batches(rank)")
+        return epoch.batches()
 
     def _make_slabs(self) -> None:
         # Slabs are created here, in the training process, before the workers start: a
         # worker killed by any signal then owns nothing that could leak.
         context = self.multiprocessing_context
         method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
-        layout = BatchLayout.from_schema(self._stream.schema, self._stream.batch_size)
+        layout = BatchLayout.from_schema(self._stream.spec.schema, self._stream.spec.batch_size)
         self._stream.slabs[:] = [Slab(layout, self._slots, anonymous=(method == "fork"), index=i)
                                  for i in range(self.num_workers)]
         for slab in self._stream.slabs:  # named ones: the memory lives on in every mapping
@@ -249,82 +306,34 @@ class GrowcacheLoader(DataLoader):
                 slab.unlink()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:  # type: ignore[override]
-        return self._run_epoch()
-
-    def _run_epoch(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch = self.epochs.start()
+        self.last_epoch = epoch
         stream = self._stream
-        snapshot = self._snapshot()
-        shards = list(snapshot.shards)
-        rank, world = 0, 1
-        target = None
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            # Ranks snapshot at slightly different moments; all ranks that share a cache plan
-            # on the shards every one of them leased, or their plans would disagree. With
-            # split="node", each (host, cache path) is its own group with its own plan.
-            group_key = (socket.gethostname(), self._cache.path) if self._split == "node" else None
-            infos: list[Any] = [None] * world
-            dist.all_gather_object(infos, (group_key, [s.seq for s in shards]))
-            group = [r for r, (key, _) in enumerate(infos) if key == group_key]
-            common = set.intersection(*(set(infos[r][1]) for r in group))
-            shards = [s for s in shards if s.seq in common]
-            plan_rank, plan_world = group.index(rank), len(group)
-            if self._split == "node":
-                # Every rank of every node must yield the same batch count: agree on it (an
-                # empty group is reported by every rank, so no rank waits in a collective).
-                own = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed,
-                                 world_size=plan_world, num_workers=self.num_workers, batch_size=stream.batch_size,
-                                 drop_last=stream.drop_last, even_batches=self._even)
-                counts: list[Any] = [None] * world
-                dist.all_gather_object(counts, own.rank_batches(plan_rank) if shards else -1)
-                if min(counts) >= 0 and self._even:
-                    target = min(counts) if stream.drop_last else max(counts)
-                empty = min(counts) < 0
-            else:
-                empty = not shards  # every rank sees the same intersection, so every rank raises
-            if empty:
-                snapshot.close()
-                raise EmptyCacheError(
-                    f"ranks sharing cache {self._cache.path} leased no shard in common (or a node's cache is empty): "
-                    "it turned over completely between their snapshots (each rank takes its own when its epoch "
-                    "starts). Raise the capacity so that it holds several shards, or start epochs on all ranks "
-                    "together; with node-local caches, wait until every node's cache holds shards."
-                )
-        else:
-            plan_rank, plan_world = 0, 1
-        plan = plan_epoch([s.records for s in shards], epoch=self.epoch, seed=self._seed, world_size=plan_world,
-                          num_workers=self.num_workers, batch_size=stream.batch_size,
-                          drop_last=stream.drop_last, even_batches=self._even, target_batches=target)
-        self.last_plan = plan
-        if plan.rank_batches(plan_rank) == 0:
-            logger.warning(
-                "epoch %d yields no batch on rank %d: %d records over %d ranks x %d readers with batch_size=%d%s",
-                plan.epoch, rank, sum(s.records for s in shards), plan_world, max(self.num_workers, 1),
-                stream.batch_size, " and drop_last=True" if stream.drop_last else "",
-            )
-        paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
-        records = np.array([s.records for s in shards], dtype=np.int64)
-        top_up = self._even and (plan_world > 1 or target is not None)
-        generation = (stream.generation.value + 1) & 0x7FFFFFFF
-        if self.num_workers and not stream.slabs:
-            self._make_slabs()
-        stream.generation.value = generation
-        for worker in range(max(self.num_workers, 1)):
-            r = plan.reader(plan_rank, worker)
-            share = ReaderShare(paths, records, plan.shards[r], int(plan.quotas[r]) if top_up or plan_world > 1 else -1,
-                                plan.cycle[r] if top_up else np.empty(0, np.int64),
-                                shuffle_seed=reader_seed(self._seed, plan.epoch, r))
-            held = stream.slabs[worker].held_tokens() if self.num_workers else []
-            message = _EpochMessage(generation, share, held)
-            if self.num_workers:
-                stream.channels[worker].put(message)
-            else:
-                stream.local = message
-        self.epoch += 1
-        iterator = super().__iter__()
-        if self._pending_lease is not None:  # the abandoned epoch's workers were reset by now
-            self._pending_lease.close()
-            self._pending_lease = None
+        try:
+            generation = (stream.generation.value + 1) & 0x7FFFFFFF
+            if self.num_workers and not stream.slabs:
+                self._make_slabs()
+            stream.generation.value = generation
+            for worker in range(max(self.num_workers, 1)):
+                held = stream.slabs[worker].held_tokens() if self.num_workers else []
+                message = _EpochMessage(generation, epoch.share(worker), held)
+                if self.num_workers:
+                    stream.channels[worker].put(message)
+                else:
+                    stream.local = message
+            iterator = super().__iter__()
+        except BaseException:
+            epoch.end()
+            raise
+        # Persistent workers kept reading an abandoned epoch until super().__iter__() reset them
+        # just now: only from here may its shards be evicted.
+        for old in self.epochs.open_epochs():
+            if old is not epoch:
+                old.end()
+        return self._deliver(epoch, iterator)
+
+    def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
+        stream = self._stream
         finished = False
         try:
             for item in iterator:
@@ -334,7 +343,7 @@ class GrowcacheLoader(DataLoader):
                 elif isinstance(item, dict):
                     batch = item
                 elif isinstance(item, Skipped):
-                    self.skipped.append(item)
+                    self.epochs.note_skipped(item)
                     continue
                 elif isinstance(item, _Failure):
                     raise item.error
@@ -347,11 +356,8 @@ class GrowcacheLoader(DataLoader):
         finally:
             if finished or not (self.persistent_workers and self.num_workers):
                 del iterator  # non-persistent workers shut down with their iterator
-                snapshot.close()
-            else:
-                # Persistent workers keep reading the abandoned epoch until the next
-                # iter() resets them, so its shards stay leased until then.
-                self._pending_lease = snapshot
+                epoch.end()
+            # Otherwise persistent workers read on until the next iter() resets them; it ends the epoch.
 
 
 def make_torch_loader(
@@ -360,7 +366,7 @@ def make_torch_loader(
     *,
     num_workers: int = 2,
     shuffle_buffer: int | None = None,
-    seed: int | None = None,
+    seed: int = 0,
     drop_last: bool = False,
     pin_memory: bool = False,
     persistent_workers: bool | None = None,
@@ -373,12 +379,14 @@ def make_torch_loader(
     copy: bool = False,
     multiprocessing_context: Any = None,
     split: str = "shared",
+    run_id: str | None = None,
+    **refused: Any,
 ) -> GrowcacheLoader:
     """A ``DataLoader`` over a growing cache: each ``iter()`` is one epoch on a fresh snapshot.
 
     Batches are dicts of ``torch.Tensor`` with the schema's dtypes and shapes (a leading
     batch dimension). Each epoch reads every record of its snapshot exactly once, split
-    as whole shards over ``rank x worker``; see :mod:`growcache.planning` for DDP.
+    as whole shards over ``rank x worker``; see :mod:`growcache.epoch` for DDP.
 
     Args:
         cache: a :class:`~growcache.Cache` or its directory (which must hold a schema).
@@ -393,7 +401,8 @@ def make_torch_loader(
             ``0``: batches hold consecutive records of a shard (shards are still shuffled
             per epoch). Default: about 32 MiB of records and at least two batches, at most
             8192 records.
-        seed: shard shuffle seed; the same on every rank. Default: ``None`` = ``0``.
+        seed: shard and record shuffle seed; the first rank's is used on every rank.
+            Default: ``0``.
         drop_last: drop each reader's last partial batch. Default: ``False``.
         pin_memory: copy every batch to pinned memory (for GPU training). Default: ``False``.
         persistent_workers: keep workers between epochs. Default: ``num_workers > 0``.
@@ -411,30 +420,35 @@ def make_torch_loader(
         copy: copy each batch out of shared memory instead of zero-copy views (frees the
             slot at once; costs a memcpy in the training process). Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.
-        split: how DDP ranks share records. ``"shared"``: all ranks read one cache (one
-            machine, or a shared filesystem) and split its shards, each record once per
-            epoch across the world. ``"node"``: each machine has its own cache (its own
-            samplers, on local disk); the ranks of one machine split that machine's cache,
-            and all ranks still yield the same number of batches. Default: ``"shared"``.
+        split: which ranks share one snapshot per epoch. ``"shared"``: every rank (one
+            cache for the world, on one machine or a shared filesystem); each record once
+            per epoch across the world. ``"node"``: the ranks of one machine (each machine
+            has its own cache); all ranks still yield the same number of batches. A machine
+            is named by ``$GROWCACHE_NODE``, else its hostname. Default: ``"shared"``.
+        run_id: keeps this run's epoch files apart from another's when ranks agree without
+            a process group. Default: ``None`` (``$GROWCACHE_RUN_ID``, torchrun's or SLURM's).
 
     Raises:
         SchemaError: the cache has no schema.
+        TypeError: a ``DataLoader`` argument the loader sets itself (``shuffle``,
+            ``sampler``, ``collate_fn``...), with what to use instead.
         ValueError: a bad argument.
     """
-    if isinstance(cache, (str, os.PathLike)):
+    for name in refused:
+        hint = _REFUSED.get(name, "it is not an argument of make_torch_loader")
+        raise TypeError(f"make_torch_loader() got {name}=: {hint}")
+    if not isinstance(cache, Cache):
         cache = Cache(cache)
-    if cache.schema is None:
-        raise SchemaError(f"cache {cache.path} has no schema: open it with Cache(path, schema=...) first")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if shuffle_buffer is None:
-        shuffle_buffer = default_shuffle_buffer(cache.schema, batch_size)
-    # The workers' reader, built here once so that bad arguments fail at construction.
-    probe = BatchReader(cache.schema, batch_size, on_corrupt=on_corrupt, shuffle_buffer=shuffle_buffer)
-    if split not in ("shared", "node"):
-        raise ValueError(f"split must be 'shared' or 'node', got {split!r}")
+    options = EpochOptions(batch_size, seed=seed, shuffle_buffer=shuffle_buffer, drop_last=drop_last,
+                           even_batches=even_batches, verify=verify, on_corrupt=on_corrupt,
+                           wait_for_shards=wait_for_shards, split=split, run_id=run_id)
     if reader not in _FRAMES:
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    epochs = Epochs(cache, options, readers=max(num_workers, 1), world=_world,
+                    nodes=_nodes_of(cache) if split == "node" else None, rendezvous=_collective,
+                    holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
     if pin_memory and not torch.cuda.is_available():
@@ -446,16 +460,13 @@ def make_torch_loader(
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)
     mp = context if context is not None else torch.multiprocessing
-    channels = [mp.Queue() for _ in range(num_workers)]
-    generation = mp.Value("q", 0, lock=False)
-    stream = _CacheStream(cache.schema, batch_size, drop_last, verify, on_corrupt, reader, [], channels, generation,
-                          shuffle_buffer)
+    stream = _CacheStream(epochs.reader, reader, [mp.Queue() for _ in range(num_workers)],
+                          mp.Value("q", 0, lock=False))
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
-        cache, stream, seed=0 if seed is None else int(seed), even_batches=even_batches,
-        wait_for_shards=float(wait_for_shards), copy=copy, user_pin_memory=pin_memory, split=split,
+        epochs, stream, copy=copy, user_pin_memory=pin_memory,
         # In flight to the trainer, one held by it, and one shuffle window being filled.
-        slots=prefetch_factor + 1 + probe.window_batches,
+        slots=prefetch_factor + 1 + epochs.reader.window_batches,
         num_workers=num_workers, persistent_workers=persistent_workers,
         multiprocessing_context=context, **extra,
     )

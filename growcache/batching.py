@@ -22,7 +22,15 @@ from .example import ExampleCodec
 from .records import count_checked, iter_records
 from .schema import Schema
 
-__all__ = ["BatchReader", "Frames", "ReaderShare", "Skipped", "default_shuffle_buffer", "growcache_frames"]
+__all__ = [
+    "BatchReader",
+    "Frames",
+    "ReaderShare",
+    "ReaderSpec",
+    "Skipped",
+    "default_shuffle_buffer",
+    "growcache_frames",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +92,52 @@ class ReaderShare:
     cycle: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     shuffle_seed: int = 0
 
+    def shard_paths(self) -> np.ndarray:
+        """Paths of the shards this reader reads, in order (``np.bytes_``)."""
+        return self.paths[self.shards]
+
+    def cycle_paths(self) -> np.ndarray:
+        """Paths of the shards a top up cycles through (``np.bytes_``; empty for none)."""
+        return self.paths[self.cycle]
+
+    def records_owned(self) -> int:
+        """Records in this reader's own shards."""
+        return int(self.records[self.shards].sum())
+
+
+@dataclass(frozen=True)
+class ReaderSpec:
+    """How every reader of an epoch reads: picklable, so it crosses into worker processes.
+
+    :meth:`build` makes the reader; a faster reader for some shards plugs in there, and every
+    adapter that reads records in Python gets it.
+
+    Attributes:
+        schema: the records' schema.
+        batch_size: rows per batch.
+        verify: check every record's CRC32C. Default: ``True``.
+        on_corrupt: ``"raise"`` or ``"skip"``. Default: ``"raise"``.
+        drop_last: drop each reader's final partial batch. Default: ``False``.
+        shuffle_buffer: records shuffled together (see :class:`BatchReader`). Default: ``0``.
+    """
+
+    schema: Schema
+    batch_size: int
+    verify: bool = True
+    on_corrupt: str = "raise"
+    drop_last: bool = False
+    shuffle_buffer: int = 0
+
+    def build(self, frames: Frames | None = None) -> BatchReader:
+        """The reader, framing records with ``frames`` (default: :func:`growcache_frames`)."""
+        return BatchReader(self.schema, self.batch_size, frames=frames or growcache_frames, verify=self.verify,
+                           on_corrupt=self.on_corrupt, drop_last=self.drop_last, shuffle_buffer=self.shuffle_buffer)
+
+    @property
+    def window_batches(self) -> int:
+        """Batches of one shuffle window (the slots a reader fills at once)."""
+        return max(2, -(-self.shuffle_buffer // self.batch_size)) if self.shuffle_buffer else 1
+
 
 class BatchReader:
     """Reads a :class:`ReaderShare` into batches of numpy rows.
@@ -129,7 +183,7 @@ class BatchReader:
         self.drop_last = drop_last
         self.shuffle_buffer = int(shuffle_buffer)
         #: batches of one shuffle window (1: no shuffle).
-        self.window_batches = max(2, -(-self.shuffle_buffer // self.batch_size)) if self.shuffle_buffer else 1
+        self.window_batches = ReaderSpec(schema, self.batch_size, shuffle_buffer=self.shuffle_buffer).window_batches
         self.records_read = 0
         self.records_skipped = 0
 

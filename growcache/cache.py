@@ -8,7 +8,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from .errors import (
     CacheFullError,
     CompressedFileError,
     CorruptShardError,
+    EpochSyncError,
     RefusedFileError,
     SchemaError,
     SchemaMismatchError,
@@ -28,6 +29,7 @@ from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
 from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
 from .records import check_records, iter_records
+from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
 from .shard import ShardInfo, scan_shards
 from .snapshot import Snapshot
@@ -225,6 +227,31 @@ class Cache:
                 shards = [s for s in shards if s.seq not in dropped]
             try:
                 lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
+            except OSError as exc:
+                raise_if_disk_full(exc, self.path, "writing a snapshot's lease; no shard was leased")
+                raise
+        return Snapshot(shards, lease, on_close=self._trim_after_lease)
+
+    def lease(self, seqs: Iterable[int], *, holder: str = "") -> Snapshot:
+        """A snapshot of exactly the shards ``seqs``: another rank's snapshot, leased here too.
+
+        Args:
+            seqs: sequence numbers of the shards (a live snapshot's, so none can be evicted).
+            holder: a label stored in the lease. Default: ``""``.
+
+        Raises:
+            EpochSyncError: a shard of ``seqs`` is no longer in the cache.
+        """
+        wanted = set(seqs)
+        with self._locked():
+            shards = [s for s in self.list_shards() if s.seq in wanted]
+            missing = sorted(wanted - {s.seq for s in shards})
+            if missing:
+                raise EpochSyncError(
+                    f"shards {missing[:5]} of the epoch another rank leased are gone from cache {self.path}: "
+                    "its lease ended early (the rank died) or the shards were deleted by hand. Restart the epoch.")
+            try:
+                lease = self._manifest.write_lease(sorted(wanted), holder) if shards else None
             except OSError as exc:
                 raise_if_disk_full(exc, self.path, "writing a snapshot's lease; no shard was leased")
                 raise
@@ -562,6 +589,7 @@ class Cache:
         self._manifest.live_leases(remove_dead=True)
         self._manifest.repair_state()
         remove_dead_segments()
+        remove_stale_epoch_files(self.path)
         return removed
 
     # -- inspection -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ __all__ = [
     "CorruptShardError",
     "DeviceError",
     "EmptyCacheError",
+    "EpochSyncError",
     "GrowcacheError",
     "MissingExtraError",
     "RefusedFileError",
@@ -101,3 +102,8 @@ class DeviceError(GrowcacheError, RuntimeError):
 class CompressedFileError(GrowcacheError, ValueError):
     """A GZIP- or ZLIB-compressed TFRecord file was given where a cache needs a plain one
     (``growcache import`` decompresses it)."""
+
+
+class EpochSyncError(GrowcacheError, RuntimeError):
+    """The ranks of a group could not agree on an epoch: the first rank's epoch did not arrive
+    in time, or a shard it leased is gone."""

@@ -77,7 +77,7 @@ def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path, drop_last):
             assert seen == set(written)  # every record read; only top-up records repeat within a rank
 
 
-def _rank_without_common_shards(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
+def _rank_on_its_own_cache(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     import growcache
@@ -88,7 +88,7 @@ def _rank_without_common_shards(rank: int, world: int, cache_dirs: list[str], po
     try:
         next(iter(loader))
         outcome = "no error"
-    except growcache.EmptyCacheError as exc:
+    except growcache.EpochSyncError as exc:
         outcome = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(outcome)
@@ -97,24 +97,22 @@ def _rank_without_common_shards(rank: int, world: int, cache_dirs: list[str], po
 
 
 @pytest.mark.timeout(120)
-def test_ranks_with_no_shard_in_common_all_raise_instead_of_an_empty_epoch(tmp_path):
+def test_ranks_on_different_caches_with_split_shared_all_raise_instead_of_reading_different_data(tmp_path):
     import torch.multiprocessing as mp
 
     from growcache import Cache
 
-    # What rank 1 sees once the cache turned over completely after rank 0's snapshot: the
-    # shards rank 0 holds (seq 1, 2) are gone, newer ones (seq 3, 4) took their place.
+    # split="shared" means one cache for all ranks; here each rank was given its own, so rank 1
+    # cannot lease the shards rank 0 took. Every rank must stop, none may hang or read on.
     first = Cache(tmp_path / "a", capacity="1GB", schema=ID_SCHEMA)
     write_shards(first, [5, 5])
-    turned = Cache(tmp_path / "b", capacity="1GB", schema=ID_SCHEMA)
-    write_shards(turned, [5, 5])
-    turned.evict(to=0)
-    write_shards(turned, [5, 5], first_id=10)
-    mp.spawn(_rank_without_common_shards, args=(2, [first.path, turned.path], _free_port(), str(tmp_path)),
+    other = Cache(tmp_path / "b", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(other, [5], first_id=10)
+    mp.spawn(_rank_on_its_own_cache, args=(2, [first.path, other.path], _free_port(), str(tmp_path)),
              nprocs=2, join=True)
-    for rank in range(2):
-        outcome = (tmp_path / f"rank{rank}.txt").read_text()
-        assert "no shard in common" in outcome and "Raise the capacity" in outcome
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert "ranks [1] could not lease" in outcomes[0]
+    assert "gone from cache" in outcomes[1] and "split='node'" in outcomes[1]
 
 
 def _rank_on_a_node(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str, drop_last: bool) -> None:

@@ -1,0 +1,608 @@
+"""One epoch, from snapshot to lease release, for every framework adapter.
+
+An adapter (``make_tf_dataset``, ``make_torch_loader``, or a third one) builds one
+:class:`Epochs` and calls :meth:`Epochs.start` at the start of each epoch. Everything that
+is not framework wiring happens here:
+
+1. **The snapshot.** The group's first rank takes :meth:`Cache.snapshot`, waiting up to
+   ``wait_for_shards`` seconds for a first shard, then raises :class:`EmptyCacheError`.
+2. **Agreement.** The ranks of a group (every rank with ``split="shared"``, one machine's
+   ranks with ``split="node"``) read exactly the shards the first rank leased, with its
+   seed and epoch number (see :mod:`growcache.rendezvous`). The others lease the same
+   shards, and the first rank keeps its lease until they have.
+3. **The plan** (:func:`growcache.planning.plan_epoch`) and each reader's share
+   (:class:`~growcache.batching.ReaderShare`): whole shards, a quota and a top-up cycle,
+   one meaning in every adapter. With ``split="node"`` and a collective rendezvous, the
+   groups also agree on one batch count.
+4. **The lease lifetime.** :meth:`Epoch.end` releases the epoch's lease; adapters call it
+   when every reader of the epoch is done, or will never read again. An :class:`Epochs`
+   bounds the epochs left open by abandoned iterators.
+5. **The corrupt-shard report.** :attr:`Epochs.skipped` lists every shard passed over
+   with ``on_corrupt="skip"``, and :meth:`Epochs.check_shard` verifies a shard before a
+   reader that growcache does not control (TensorFlow's) opens it.
+6. **The defaults** both adapters share: :data:`DEFAULT_SEED`, :data:`DEFAULT_VERIFY`,
+   :data:`DEFAULT_ON_CORRUPT`, :data:`DEFAULT_SPLIT`, and a shuffle buffer of about 32 MiB
+   (:func:`growcache.batching.default_shuffle_buffer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import errors as _errors
+from .batching import ReaderShare, ReaderSpec, Skipped, default_shuffle_buffer
+from .cache import Cache
+from .errors import CorruptShardError, EmptyCacheError, EpochSyncError, GrowcacheError, SchemaError
+from .planning import EpochPlan, plan_epoch, reader_seed
+from .records import check_records
+from .schema import Schema
+from .rendezvous import EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
+from .shard import ShardInfo
+from .snapshot import Snapshot
+
+__all__ = [
+    "DEFAULT_ON_CORRUPT",
+    "DEFAULT_SEED",
+    "DEFAULT_SPLIT",
+    "DEFAULT_VERIFY",
+    "Epoch",
+    "EpochOptions",
+    "Epochs",
+    "Group",
+    "node_name",
+    "run_id",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Shard and record shuffle seed of both adapters. A fixed seed, not a random one: every rank
+#: of a group must draw the same shard order, and a run must be repeatable.
+DEFAULT_SEED = 0
+#: Both adapters check every record's CRC32C, and TensorFlow's reader never sees a shard
+#: growcache has not checked.
+DEFAULT_VERIFY = True
+DEFAULT_ON_CORRUPT = "raise"
+DEFAULT_SPLIT = "shared"
+SPLITS = ("shared", "node")
+ON_CORRUPT = ("raise", "skip")
+_POLL_S = 0.05
+#: Epochs of one :class:`Epochs` open at once before the oldest is taken as abandoned.
+DEFAULT_MAX_OPEN = 4
+
+
+def node_name() -> str:
+    """The name of this machine for ``split="node"``: ``$GROWCACHE_NODE``, else the hostname.
+
+    Containers often share one hostname; set ``GROWCACHE_NODE`` to tell machines apart (or
+    to make processes of one machine pose as several, in tests).
+    """
+    return os.environ.get("GROWCACHE_NODE") or socket.gethostname()
+
+
+def run_id(explicit: str | None = None) -> str:
+    """The id that keeps one training run's epoch files apart from another's.
+
+    ``explicit``, else ``$GROWCACHE_RUN_ID``, else the launcher's: torchrun's
+    ``$TORCHELASTIC_RUN_ID``, SLURM's job and step ids. ``""`` when none is known: epoch files
+    of a run whose first rank is gone are ignored and removed anyway.
+    """
+    if explicit:
+        return str(explicit)
+    env = os.environ
+    if env.get("GROWCACHE_RUN_ID"):
+        return env["GROWCACHE_RUN_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return env["TORCHELASTIC_RUN_ID"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+    return ""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks that read one snapshot together, and this process's place among them.
+
+    Attributes:
+        rank: this rank's index in the group; ``0`` takes each epoch's snapshot.
+        size: ranks in the group.
+        name: the group's name: ``"shared"``, or ``"node:<name>"`` with ``split="node"``.
+        world_rank: this rank among all ranks. Default: ``0``.
+        world_size: all ranks. Default: ``1``.
+        first_world_rank: the world rank of the group's first rank. Default: ``0``.
+        groups: how many groups the world holds. Default: ``1``.
+    """
+
+    rank: int
+    size: int
+    name: str = DEFAULT_SPLIT
+    world_rank: int = 0
+    world_size: int = 1
+    first_world_rank: int = 0
+    groups: int = 1
+
+    @classmethod
+    def of(cls, split: str, world_rank: int, world_size: int, nodes: Sequence[str] | None = None) -> Group:
+        """The group of ``world_rank``; with ``split="node"``, ``nodes`` names each world rank's machine."""
+        if split == "shared" or world_size == 1:
+            return cls(world_rank, world_size, "shared", world_rank, world_size, 0, 1)
+        if nodes is None or len(nodes) != world_size:
+            raise ValueError(f"split='node' needs the node of each of the {world_size} ranks")
+        mine = [r for r in range(world_size) if nodes[r] == nodes[world_rank]]
+        return cls(mine.index(world_rank), len(mine), f"node:{nodes[world_rank]}", world_rank, world_size, mine[0],
+                   len(set(nodes)))
+
+    @classmethod
+    def from_env(cls, split: str) -> Group:
+        """The group from ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for
+        ``split="node"``), as torchrun and most launchers set them; one rank when unset."""
+        env = os.environ
+        try:
+            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+            local_rank = int(env.get("LOCAL_RANK", 0))
+            local_world = int(env.get("LOCAL_WORLD_SIZE", 1 if "LOCAL_RANK" not in env else world))
+        except ValueError as exc:
+            raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers: {exc}") from None
+        if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+            raise ValueError(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}, "
+                             f"LOCAL_WORLD_SIZE={local_world} do not describe a rank")
+        if split == "shared" or world == 1:
+            return cls(rank, world, "shared", rank, world, 0, 1)
+        return cls(local_rank, local_world, f"node:{node_name()}", rank, world, rank - local_rank,
+                   max(world // local_world, 1))
+
+
+@dataclass(frozen=True)
+class EpochOptions:
+    """The epoch arguments both adapters share, checked, with their shared defaults.
+
+    Attributes:
+        batch_size: records per batch of one reader.
+        seed: shard order and record shuffle seed; the same on every rank. Default: ``0``.
+        shuffle_buffer: records shuffled together in each reader; ``None`` for about 32 MiB
+            of records (see :func:`~growcache.batching.default_shuffle_buffer`). Default: ``None``.
+        drop_last: drop each reader's final partial batch. Default: ``False``.
+        even_batches: every rank yields the same number of batches. Default: ``True``.
+        verify: check every record's CRC32C before it is used. Default: ``True``.
+        on_corrupt: ``"raise"`` or ``"skip"``. Default: ``"raise"``.
+        wait_for_shards: seconds an epoch waits for a first shard. Default: ``0.0``.
+        split: ``"shared"`` or ``"node"``. Default: ``"shared"``.
+        run_id: keeps this run's epoch files apart from another's (see :func:`run_id`).
+            Default: ``None``.
+    """
+
+    batch_size: int
+    seed: int = DEFAULT_SEED
+    shuffle_buffer: int | None = None
+    drop_last: bool = False
+    even_batches: bool = True
+    verify: bool = DEFAULT_VERIFY
+    on_corrupt: str = DEFAULT_ON_CORRUPT
+    wait_for_shards: float = 0.0
+    split: str = DEFAULT_SPLIT
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)) \
+                or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if self.seed is None:  # accepted for "the default", as before
+            object.__setattr__(self, "seed", DEFAULT_SEED)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"seed must be an int (the same on every rank), got {self.seed!r}")
+        buffer = self.shuffle_buffer
+        if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, (int, np.integer))
+                                   or buffer < 0):
+            raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {buffer!r}")
+        if self.on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {self.on_corrupt!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if not isinstance(self.wait_for_shards, (int, float)) or self.wait_for_shards < 0:
+            raise ValueError(f"wait_for_shards must be >= 0 seconds, got {self.wait_for_shards!r}")
+
+
+_ORDINALS: dict[tuple, int] = {}
+_MEMBERS: dict[tuple, set[int]] = {}
+_ORDINALS_LOCK = threading.Lock()
+
+
+class Epochs:
+    """The epochs of one adapter object (a loader, or one input pipeline of a dataset).
+
+    Args:
+        cache: the cache; it must hold a schema.
+        options: the shared epoch arguments.
+        readers: readers per rank (DataLoader workers; ``1`` for a TensorFlow pipeline).
+            Default: ``1``.
+        world: ``(rank, world size)``, or a function that returns it (or ``None``) at the first
+            epoch. Default: ``None``: from ``RANK``/``WORLD_SIZE``.
+        nodes: the machine of every world rank, for ``split="node"`` (an adapter with a
+            process group gathers them). Default: ``None``: this process's ranks form the
+            node, or ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` say which ranks do.
+        rendezvous: builds the rendezvous for a :class:`Group` of several ranks (an adapter's
+            collective one), or returns ``None``. Default: ``None``: ranks in this process agree
+            in memory, others through epoch files.
+        holder: lease label, shown by ``growcache status``. Default: ``""``.
+        max_open: epochs open at once before the oldest is ended as abandoned.
+            Default: :data:`DEFAULT_MAX_OPEN`.
+        schema: the records' schema. Default: ``None``: the cache's.
+        abandon_hint: what the user can change, appended to the warning that ends an
+            abandoned epoch. Default: ``""``.
+
+    Attributes:
+        epoch: the epoch the next :meth:`start` reads.
+        skipped: every :class:`~growcache.batching.Skipped` shard, oldest first.
+        reader: the :class:`~growcache.batching.ReaderSpec` every reader of these epochs uses.
+    """
+
+    def __init__(
+        self,
+        cache: Cache,
+        options: EpochOptions,
+        *,
+        readers: int = 1,
+        world: tuple[int, int] | Callable[[], tuple[int, int] | None] | None = None,
+        nodes: Callable[[], Sequence[str]] | None = None,
+        rendezvous: Callable[[Group], Rendezvous | None] | None = None,
+        holder: str = "",
+        max_open: int = DEFAULT_MAX_OPEN,
+        schema: Schema | None = None,
+        abandon_hint: str = "",
+    ) -> None:
+        schema = schema if schema is not None else cache.schema
+        if schema is None:
+            raise SchemaError(f"cache {cache.path} has no schema: open it with Cache(path, schema=...) first")
+        if readers < 1:
+            raise ValueError(f"readers must be >= 1, got {readers}")
+        self.cache = cache
+        self.options = options
+        self.readers = int(readers)
+        shuffle = options.shuffle_buffer
+        if shuffle is None:
+            shuffle = default_shuffle_buffer(schema, options.batch_size)
+        self.reader = ReaderSpec(schema, int(options.batch_size), verify=options.verify,
+                                 on_corrupt=options.on_corrupt, drop_last=options.drop_last,
+                                 shuffle_buffer=int(shuffle))
+        self.epoch = 0
+        self.skipped: list[Skipped] = []
+        self._world = world
+        self._nodes = nodes
+        self._make_rendezvous = rendezvous
+        self._holder = holder
+        self._max_open = max_open
+        self._abandon_hint = abandon_hint
+        self._group: Group | None = None
+        self._collective = False
+        self._rendezvous: Rendezvous | None = None
+        self._lock = threading.Lock()
+        self._open: dict[int, Epoch] = {}
+        self._tokens = itertools.count(1)
+        rank, size = world if isinstance(world, tuple) else (None, None)
+        # Readers pair with their peers of other ranks by construction order: the k-th Epochs
+        # built for a cache and rank in one process meets the k-th of every other rank.
+        self._pairing = (cache.path, options.split, size)
+        with _ORDINALS_LOCK:
+            key = (*self._pairing, rank)
+            self._ordinal = _ORDINALS.get(key, 0)
+            _ORDINALS[key] = self._ordinal + 1
+            _MEMBERS.setdefault((*self._pairing, self._ordinal), set()).add(rank)
+
+    # -- the group ----------------------------------------------------------------------------
+    @property
+    def group(self) -> Group:
+        """This rank's :class:`Group`, resolved at the first epoch."""
+        if self._group is None:
+            self._group, self._rendezvous = self._resolve()
+        return self._group
+
+    def _resolve(self) -> tuple[Group, Rendezvous | None]:
+        split = self.options.split
+        local = _MEMBERS.get((*self._pairing, self._ordinal), set())
+        if callable(self._world):
+            self._world = self._world()
+        if self._world is None:
+            group = Group.from_env(split)
+        else:
+            rank, size = self._world
+            if split == "node" and self._nodes is None:
+                # Without a process group, the ranks built in this process form the node.
+                mine = sorted(r for r in local if r is not None)
+                group = Group(mine.index(rank), len(mine), f"node:{node_name()}", rank, size, mine[0],
+                              max(size // len(mine), 1))
+            else:
+                group = Group.of(split, rank, size, self._nodes() if self._nodes is not None else None)
+        if self._make_rendezvous is not None and group.world_size > 1:
+            collective = self._make_rendezvous(group)
+            if collective is not None:
+                self._collective = True
+                return group, collective
+        if group.size == 1:
+            return group, None
+        key = (run_id(self.options.run_id), group.name, group.first_world_rank, self._ordinal, group.size)
+        members = range(group.first_world_rank, group.first_world_rank + group.size)
+        if self._world is not None and all(r in local for r in members):
+            return group, LocalRendezvous((self.cache.path, *key), group.size)
+        return group, FileRendezvous(self.cache.path, key, group.rank, group.size,
+                                     wait_for_shards=self.options.wait_for_shards,
+                                     file_mode=self.cache.file_mode, dir_mode=self.cache.dir_mode)
+
+    @property
+    def tops_up(self) -> bool:
+        """Whether readers may re-read their shards to even out batch counts (fixed for all epochs).
+
+        Within a group when it has several ranks; across groups only when a collective
+        rendezvous lets the groups agree on one batch count.
+        """
+        group = self.group
+        across = group.groups > 1 and self._collective
+        return self.options.even_batches and (group.size > 1 or across)
+
+    # -- one epoch ------------------------------------------------------------------------------
+    def start(self) -> Epoch:
+        """Start epoch :attr:`epoch`: snapshot (or lease the first rank's), agree, plan.
+
+        Raises:
+            EmptyCacheError: no shard arrived within ``wait_for_shards`` (on every rank of the
+                world, when the first rank of any group found none).
+            EpochSyncError: the ranks could not agree (see :mod:`growcache.rendezvous`).
+        """
+        group = self.group
+        number = self.epoch
+        options = self.options
+        agreement = None
+        if self._rendezvous is None:
+            snapshot = self._take_snapshot()
+            shards = _published(number, int(options.seed), snapshot)
+        else:
+            taken: dict[str, Any] = {}
+
+            def take() -> EpochShards:
+                try:
+                    taken["snapshot"] = self._take_snapshot()
+                except (GrowcacheError, OSError) as exc:  # reported to every rank, so that none waits
+                    taken["error"] = exc
+                    return EpochShards(number, int(options.seed), (), (), f"{exc}", type(exc).__name__)
+                return _published(number, int(options.seed), taken["snapshot"])
+
+            agreement = self._rendezvous.share(number, take)
+            shards = agreement.shards
+            if shards.error:
+                if "error" in taken:
+                    raise taken["error"]
+                if "snapshot" in taken:
+                    taken["snapshot"].close()
+                raise _error_class(shards.error_type)(
+                    f"{shards.error} (reported by the first rank of a group of ranks sharing an epoch)")
+            if agreement.took:
+                snapshot = taken["snapshot"]
+            else:
+                try:
+                    snapshot = self._lease(shards)
+                except BaseException:
+                    agreement.confirm(False, 0)  # a collective rendezvous must hear from every rank
+                    raise
+        if shards.epoch != number:
+            logger.warning("epoch %d on this rank, but the group's first rank is at epoch %d: using %d (call "
+                           "set_epoch with the same value on every rank)", number, shards.epoch, shards.epoch)
+        if shards.seed != options.seed:
+            logger.warning("seed %d on this rank, but the group's first rank uses %d: using %d (pass the same seed "
+                           "on every rank)", options.seed, shards.seed, shards.seed)
+        try:
+            plan = self._plan(snapshot.shards, shards, group, None)
+            if agreement is not None:
+                reports = agreement.confirm(True, plan.rank_batches(group.rank))
+                failed = [rank for rank, (leased, _) in enumerate(reports or ()) if not leased]
+                if failed:
+                    raise EpochSyncError(f"ranks {failed} could not lease epoch {shards.epoch}'s shards (see their "
+                                         "errors); every rank stops rather than read different data")
+                if reports is not None and group.groups > 1 and self.options.even_batches:
+                    counts = [batches for _, batches in reports]
+                    target = min(counts) if options.drop_last else max(counts)
+                    plan = self._plan(snapshot.shards, shards, group, target)
+        except BaseException:
+            snapshot.close()
+            raise
+        epoch = Epoch(self, next(self._tokens), shards, snapshot, plan, agreement)
+        with self._lock:
+            self.epoch = shards.epoch + 1
+            self._open[epoch.token] = epoch
+            abandoned = list(self._open.values())[:-self._max_open] if len(self._open) > self._max_open else []
+        for old in abandoned:
+            logger.warning(
+                "more than %d epochs over cache %s are open at once: ending the lease of the oldest (epoch %d), "
+                "taken as abandoned. An epoch stays open until it is read to the end or its reader is gone%s",
+                self._max_open, self.cache.path, old.number, self._abandon_hint)
+            old.end()
+        if plan.rank_batches(group.rank) == 0:
+            logger.warning(
+                "epoch %d yields no batch on rank %d: %d records over %d ranks x %d readers with batch_size=%d%s",
+                plan.epoch, group.world_rank, snapshot.records, group.size, self.readers, options.batch_size,
+                " and drop_last=True" if options.drop_last else "")
+        return epoch
+
+    def open_epochs(self) -> list[Epoch]:
+        """Epochs started and not yet ended, oldest first."""
+        with self._lock:
+            return list(self._open.values())
+
+    def end_all(self) -> None:
+        """End every open epoch (none of their readers will read again)."""
+        for epoch in self.open_epochs():
+            epoch.end()
+
+    def check_shard(self, path: str) -> bool:
+        """Verify a shard before a reader growcache does not control opens it.
+
+        Every CRC, every length against the file's size and the record count against the
+        shard's name are checked with bounded memory, so a crafted shard can never reach
+        that reader. With ``verify=False`` nothing is checked.
+
+        Returns:
+            ``True`` to read the shard; ``False`` to skip it (``on_corrupt="skip"``; the
+            shard is added to :attr:`skipped` and logged).
+
+        Raises:
+            CorruptShardError: the shard is corrupt and ``on_corrupt="raise"``.
+        """
+        epochs = self
+        if not epochs.options.verify:
+            return True
+        try:
+            check_records(path)
+        except CorruptShardError as exc:
+            if epochs.options.on_corrupt == "raise":
+                raise
+            info = ShardInfo.from_path(path)
+            note = Skipped(exc.path, exc.offset, exc.reason, info.records if info else 0)
+            epochs.note_skipped(note)
+            logger.warning("skipping corrupt shard %s (byte offset %d: %s); %d skipped so far", exc.path, exc.offset,
+                           exc.reason, len(epochs.skipped))
+            return False
+        return True
+
+    def end(self, token: int) -> None:
+        """End the open epoch whose :attr:`Epoch.token` is ``token``; nothing if it ended already."""
+        with self._lock:
+            epoch = self._open.get(int(token))
+        if epoch is not None:
+            epoch.end()
+
+    def note_skipped(self, note: Skipped) -> None:
+        """Add a reader's :class:`~growcache.batching.Skipped` note to :attr:`skipped`."""
+        self.skipped.append(note)
+
+    def _take_snapshot(self) -> Snapshot:
+        wait = float(self.options.wait_for_shards)
+        deadline = time.monotonic() + wait
+        holder = self._holder or f"rank {self.group.world_rank}"
+        while True:
+            snapshot = self.cache.snapshot(holder=holder)
+            if len(snapshot) or time.monotonic() >= deadline:
+                break
+            snapshot.close()
+            time.sleep(_POLL_S)
+        if not len(snapshot):
+            raise EmptyCacheError(
+                f"cache {self.cache.path} holds no shard after waiting {wait:g} s for one: start a SamplerPool "
+                "(and pool.wait_for(records=...)) or write shards first, or pass wait_for_shards=SECONDS")
+        return snapshot
+
+    def _lease(self, shards: EpochShards) -> Snapshot:
+        hint = ("Every rank of a group must read the same cache directory: split='shared' for one cache for all "
+                "ranks, split='node' for one cache per machine.")
+        try:
+            snapshot = self.cache.lease(shards.seqs, holder=self._holder)
+        except EpochSyncError as exc:
+            raise EpochSyncError(f"{exc} {hint}") from None
+        if tuple(os.path.basename(s.path) for s in snapshot.shards) != shards.names:
+            snapshot.close()
+            raise EpochSyncError(f"the shards of cache {self.cache.path} with the sequence numbers the first rank "
+                                 f"leased are other shards than its own: the ranks read different caches. {hint}")
+        if not len(snapshot):
+            raise EpochSyncError(f"the first rank's epoch {shards.epoch} lists no shard")
+        return snapshot
+
+    def _plan(self, infos: Sequence[ShardInfo], shards: EpochShards, group: Group, target: int | None) -> EpochPlan:
+        options = self.options
+        return plan_epoch([s.records for s in infos], epoch=shards.epoch, seed=shards.seed, world_size=group.size,
+                          num_workers=self.readers, batch_size=int(options.batch_size), drop_last=options.drop_last,
+                          even_batches=options.even_batches, target_batches=target)
+
+
+def _published(epoch: int, seed: int, snapshot: Snapshot) -> EpochShards:
+    return EpochShards(epoch, seed, tuple(s.seq for s in snapshot.shards),
+                       tuple(os.path.basename(s.path) for s in snapshot.shards))
+
+
+def _error_class(name: str) -> type[Exception]:
+    cls = getattr(_errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, GrowcacheError) else EpochSyncError
+
+
+@dataclass(eq=False)
+class Epoch:
+    """One started epoch: its snapshot (leased), plan and readers' shares.
+
+    Attributes:
+        epochs: the :class:`Epochs` it belongs to.
+        token: its number among its :class:`Epochs`' epochs, unique per process run.
+        agreed: the shards, seed and epoch number every rank of the group reads.
+        snapshot: the leased snapshot.
+        plan: the :class:`~growcache.planning.EpochPlan` (this rank plans as rank
+            ``group.rank`` of ``group.size``).
+    """
+
+    epochs: Epochs
+    token: int
+    agreed: EpochShards
+    snapshot: Snapshot
+    plan: EpochPlan
+    _agreement: Any = None
+    _ended: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shards = self.snapshot.shards
+        self._paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
+        self._records = np.array([s.records for s in shards], dtype=np.int64)
+
+    @property
+    def number(self) -> int:
+        """The epoch number."""
+        return self.agreed.epoch
+
+    @property
+    def seed(self) -> int:
+        """The seed every rank uses."""
+        return self.agreed.seed
+
+    @property
+    def shards(self) -> tuple[ShardInfo, ...]:
+        """The epoch's shards (the same on every rank of the group), oldest first."""
+        return self.snapshot.shards
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def share(self, reader: int = 0) -> ReaderShare:
+        """What reader ``reader`` of this rank reads (``0 <= reader < readers``)."""
+        plan, group = self.plan, self.epochs.group
+        index = plan.reader(group.rank, reader)
+        tops_up = self.epochs.tops_up
+        return ReaderShare(
+            self._paths, self._records, plan.shards[index],
+            quota=int(plan.quotas[index]) if tops_up else -1,
+            cycle=plan.cycle[index] if tops_up else np.empty(0, np.int64),
+            shuffle_seed=reader_seed(self.seed, plan.epoch, index),
+        )
+
+    def batches(self) -> int:
+        """Batches this rank yields in this epoch (all its readers together)."""
+        return self.plan.rank_batches(self.epochs.group.rank)
+
+    def records(self) -> int:
+        """Records this rank yields in this epoch (top-up records included)."""
+        return self.plan.rank_records(self.epochs.group.rank)
+
+    def end(self) -> None:
+        """End the epoch: release its lease (the first rank's once every rank leased). Idempotent."""
+        with self.epochs._lock:
+            if self._ended:
+                return
+            self._ended = True
+            self.epochs._open.pop(self.token, None)
+        agreement = self._agreement
+        if agreement is not None and agreement.took:
+            agreement.release(self.snapshot.close)
+        else:
+            self.snapshot.close()

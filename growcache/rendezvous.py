@@ -1,0 +1,428 @@
+"""How the ranks of a group agree on one epoch: the shards, seed and epoch number of its first rank.
+
+The first rank of a group (the one that *takes* the epoch) takes the snapshot and publishes
+an :class:`EpochShards`; every other rank leases exactly those shards, so no rank ever plans
+on a subset of what another one leased, however fast the cache turns over. The taker keeps
+its lease until every rank of the group has leased the same shards (at most
+:data:`AGREE_TIMEOUT_S` after its own epoch ended), so none of them can be evicted in between.
+
+A :class:`Rendezvous` carries the agreement. The core has two:
+
+* :class:`LocalRendezvous`: ranks in one process (TensorFlow input pipelines built by one
+  ``distribute_datasets_from_function``). The first to start an epoch takes it.
+* :class:`FileRendezvous`: ranks in different processes without a process group (TensorFlow
+  multi-worker, or processes told their rank by ``RANK``/``WORLD_SIZE``). The group's first
+  rank writes a small epoch file into the cache's ``epochs/`` directory, atomically, under a
+  name keyed by run id, group and epoch; the others wait for it, lease, and say so with an
+  acknowledgement file. A rank that waits longer than its bound fails with
+  :class:`~growcache.errors.EpochSyncError`.
+
+Framework adapters may bring their own (the PyTorch adapter agrees through
+``torch.distributed`` collectives when a process group is initialized).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _proc
+from .errors import EpochSyncError
+from .manifest import atomic_write_bytes
+
+__all__ = [
+    "AGREE_TIMEOUT_S",
+    "Agreement",
+    "EpochShards",
+    "FileRendezvous",
+    "LocalRendezvous",
+    "Rendezvous",
+    "remove_stale_epoch_files",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a rank waits for its group's first rank to publish an epoch (beyond the first
+#: rank's own ``wait_for_shards``), and the longest a first rank keeps its lease after its
+#: epoch ended for a rank that never leases.
+AGREE_TIMEOUT_S = 300.0
+EPOCHS_DIR = "epochs"
+_POLL_S = 0.02
+_EPOCH_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.json$")
+_ACK_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.ack-(\d+)$")
+_TEMP_MAX_AGE_S = 3600.0  # epoch files are written without the cache lock: only old temporaries are surely dead
+
+
+@dataclass(frozen=True)
+class EpochShards:
+    """What the first rank of a group publishes for one epoch.
+
+    Attributes:
+        epoch: the epoch number every rank plans with.
+        seed: the shuffle seed every rank plans with.
+        seqs: sequence numbers of the leased shards, oldest first.
+        names: the shards' file names (which also state records and bytes), so that a rank
+            given another cache directory is caught instead of leasing other shards that
+            happen to carry the same sequence numbers.
+        error: why the first rank could not take the snapshot (every rank raises it);
+            ``""`` when it could.
+        error_type: the class name of that error. Default: ``""``.
+    """
+
+    epoch: int
+    seed: int
+    seqs: tuple[int, ...]
+    names: tuple[str, ...] = ()
+    error: str = ""
+    error_type: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "seed": self.seed, "seqs": list(self.seqs), "names": list(self.names),
+                "error": self.error, "error_type": self.error_type}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str) -> EpochShards:
+        try:
+            seqs = tuple(int(s) for s in data["seqs"])
+            names = tuple(str(n) for n in data.get("names", ()))
+            return cls(int(data["epoch"]), int(data["seed"]), seqs, names, str(data.get("error") or ""),
+                       str(data.get("error_type") or ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EpochSyncError(f"epoch file {where} is damaged ({exc!r}); delete it, the first rank writes "
+                                 "it again at its next epoch") from None
+
+
+class Agreement(Protocol):
+    """One rank's side of one agreed epoch."""
+
+    shards: EpochShards
+    took: bool  # this rank took the snapshot (it is the group's first rank for this epoch)
+
+    def confirm(self, leased: bool, batches: int) -> list[tuple[bool, int]] | None:
+        """Say that this rank leased the shards (or failed to) and yields ``batches`` batches.
+
+        Returns every rank's ``(leased, batches)``, in rank order, where the rendezvous is
+        collective (so that groups can agree on one batch count); ``None`` otherwise.
+        """
+
+    def release(self, close: Callable[[], None]) -> None:
+        """The taker's epoch ended: call ``close`` (its lease) once every rank leased."""
+
+
+class Rendezvous(Protocol):
+    """Carries one group's agreement, epoch by epoch."""
+
+    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+        """Epoch ``epoch`` of the group: ``take()`` runs on the rank that takes the snapshot,
+        and every rank gets what it returned. ``take`` reports failure as data
+        (:attr:`EpochShards.error`), so that no rank is left waiting."""
+
+
+class _Keeper:
+    """Closes leases once a condition holds or a deadline passes, on one daemon thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._held: list[tuple[Callable[[], bool], Callable[[], None], float]] = []
+        self._pid = -1
+
+    def hold(self, ready: Callable[[], bool], close: Callable[[], None], deadline: float) -> None:
+        if _safe(ready):
+            close()
+            return
+        with self._lock:
+            self._held.append((ready, close, deadline))
+            if self._pid != os.getpid():  # first use, or a forked child (threads do not survive fork)
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="growcache-lease-keeper", daemon=True).start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._held:
+                    self._wake.wait()
+                held = list(self._held)
+            now = time.monotonic()
+            due = [h for h in held if now >= h[2] or _safe(h[0])]
+            if due:
+                with self._lock:
+                    self._held = [h for h in self._held if h not in due]
+                for ready, close, deadline in due:
+                    if now >= deadline and not _safe(ready):
+                        logger.warning("not every rank of the group leased its epoch within %.0f s; the first rank's "
+                                       "lease ends anyway", AGREE_TIMEOUT_S)
+                    try:
+                        close()
+                    except Exception:  # noqa: BLE001 - one failed release must not stop the others
+                        logger.exception("ending a held epoch lease failed")
+            time.sleep(_POLL_S)
+
+
+def _safe(ready: Callable[[], bool]) -> bool:
+    try:
+        return bool(ready())
+    except OSError:
+        return False
+
+
+_KEEPER = _Keeper()
+
+
+# -- ranks in one process ------------------------------------------------------------------------
+class _LocalEpoch:
+    __slots__ = ("shards", "acks", "failed")
+
+    def __init__(self) -> None:
+        self.shards: EpochShards | None = None
+        self.acks = 0
+        self.failed = False
+
+
+class LocalRendezvous:
+    """The ranks of a group live in this process: the first to start an epoch takes it.
+
+    Args:
+        key: the group's identity; ranks that pass equal keys share one rendezvous.
+        size: ranks in the group.
+        timeout: seconds a rank waits for the taker's snapshot, beyond the taker's own
+            wait for a first shard. Default: :data:`AGREE_TIMEOUT_S`.
+    """
+
+    _registry: dict[Any, _LocalGroup] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, key: Any, size: int, timeout: float | None = None) -> None:
+        with LocalRendezvous._registry_lock:
+            group = LocalRendezvous._registry.get(key)
+            if group is None:
+                group = LocalRendezvous._registry[key] = _LocalGroup()
+        self._group = group
+        self.size = int(size)
+        self.timeout = AGREE_TIMEOUT_S if timeout is None else float(timeout)
+
+    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+        group = self._group
+        with group.cond:
+            entry = group.epochs.get(epoch)
+            took = entry is None
+            if took:
+                entry = group.epochs[epoch] = _LocalEpoch()
+            else:
+                deadline = time.monotonic() + self.timeout
+                while entry.shards is None and not entry.failed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise EpochSyncError(
+                            f"epoch {epoch}: the input pipeline of this process that took the snapshot did not "
+                            f"publish it within {self.timeout:.0f} s")
+                    group.cond.wait(min(left, 1.0))
+                if entry.failed:
+                    raise EpochSyncError(f"epoch {epoch}: the input pipeline that took the snapshot failed")
+                return _LocalAgreement(self, epoch, entry, entry.shards, took=False)
+        try:
+            shards = take()
+        except BaseException:
+            with group.cond:
+                entry.failed = True
+                group.epochs.pop(epoch, None)
+                group.cond.notify_all()
+            raise
+        with group.cond:
+            entry.shards = shards
+            group.cond.notify_all()
+        return _LocalAgreement(self, epoch, entry, shards, took=True)
+
+
+class _LocalGroup:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.epochs: dict[int, _LocalEpoch] = {}
+
+
+class _LocalAgreement:
+    def __init__(self, rendezvous: LocalRendezvous, epoch: int, entry: _LocalEpoch, shards: EpochShards,
+                 took: bool) -> None:
+        self._rendezvous = rendezvous
+        self._epoch = epoch
+        self._entry = entry
+        self.shards = shards
+        self.took = took
+
+    def confirm(self, leased: bool, batches: int) -> None:
+        if not self.took:
+            with self._rendezvous._group.cond:
+                self._entry.acks += 1
+        return None
+
+    def release(self, close: Callable[[], None]) -> None:
+        rendezvous, entry = self._rendezvous, self._entry
+
+        def done() -> None:
+            with rendezvous._group.cond:
+                if rendezvous._group.epochs.get(self._epoch) is entry:
+                    del rendezvous._group.epochs[self._epoch]
+            close()
+
+        _KEEPER.hold(lambda: entry.acks >= rendezvous.size - 1, done, time.monotonic() + rendezvous.timeout)
+
+
+# -- ranks in several processes: epoch files -----------------------------------------------------
+class FileRendezvous:
+    """The ranks of a group agree through epoch files in the cache directory.
+
+    Args:
+        cache_dir: the cache directory the group reads (its ``epochs/`` holds the files).
+        key: the group's identity (run id, group name, and which of the process's readers).
+        rank: this process's rank within the group; rank 0 takes every epoch.
+        size: ranks in the group.
+        wait_for_shards: seconds the first rank may wait for a first shard; the others wait
+            that long plus ``timeout``.
+        timeout: see :data:`AGREE_TIMEOUT_S`. Default: :data:`AGREE_TIMEOUT_S`.
+        file_mode: permission bits of the files. Default: ``0o600``.
+        dir_mode: permission bits of ``epochs/`` if it is created. Default: ``0o700``.
+    """
+
+    def __init__(self, cache_dir: str, key: Sequence[Any], rank: int, size: int, *, wait_for_shards: float = 0.0,
+                 timeout: float | None = None, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+        self.dir = os.path.join(cache_dir, EPOCHS_DIR)
+        self.digest = hashlib.sha1(json.dumps([str(k) for k in key]).encode()).hexdigest()[:16]
+        self.key = tuple(key)
+        self.rank = int(rank)
+        self.size = int(size)
+        self.timeout = AGREE_TIMEOUT_S if timeout is None else float(timeout)
+        self.wait = float(wait_for_shards) + self.timeout
+        self.file_mode = file_mode
+        os.makedirs(self.dir, mode=dir_mode, exist_ok=True)
+
+    def path(self, epoch: int) -> str:
+        """The epoch file of epoch ``epoch``."""
+        return os.path.join(self.dir, f"{self.digest}-{epoch:010d}.json")
+
+    def ack_path(self, epoch: int, rank: int) -> str:
+        return os.path.join(self.dir, f"{self.digest}-{epoch:010d}.ack-{rank}")
+
+    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+        path = self.path(epoch)
+        if self.rank == 0:
+            remove_stale_epoch_files(os.path.dirname(self.dir))
+            shards = take()
+            pid, start = _proc.this_process()
+            body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,
+                    "host": _proc.this_host(), "created": time.time()}
+            atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
+            return _FileAgreement(self, epoch, shards, took=True)
+        return _FileAgreement(self, epoch, self._wait_for(epoch, path), took=False)
+
+    def _wait_for(self, epoch: int, path: str) -> EpochShards:
+        deadline = time.monotonic() + self.wait
+        dead_writer = None
+        while True:
+            body = _read_json(path)
+            if body is not None:
+                if _proc.is_alive(body.get("pid", -1), body.get("start_time"), body.get("host")):
+                    return EpochShards.from_json(body, path)
+                dead_writer = body.get("pid")  # a crashed run's file: wait for a live first rank to replace it
+            if time.monotonic() >= deadline:
+                why = (f"; the file there was written by pid {dead_writer}, which is gone" if dead_writer is not None
+                       else "")
+                raise EpochSyncError(
+                    f"rank {self.rank} of {self.size} waited {self.wait:.0f} s for epoch {epoch} of its group from the "
+                    f"group's first rank (epoch file {path}){why}. Start every rank with the same cache, split and "
+                    "run id (GROWCACHE_RUN_ID, or run_id=), and the same number of epochs; the first rank must be "
+                    "running.")
+            time.sleep(_POLL_S)
+
+
+class _FileAgreement:
+    def __init__(self, rendezvous: FileRendezvous, epoch: int, shards: EpochShards, took: bool) -> None:
+        self._rendezvous = rendezvous
+        self._epoch = epoch
+        self.shards = shards
+        self.took = took
+
+    def confirm(self, leased: bool, batches: int) -> None:
+        if not self.took and leased:
+            pid, start = _proc.this_process()
+            body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time()}
+            atomic_write_bytes(self._rendezvous.ack_path(self._epoch, self._rendezvous.rank),
+                               json.dumps(body).encode(), self._rendezvous.file_mode)
+        return None
+
+    def release(self, close: Callable[[], None]) -> None:
+        rendezvous, epoch = self._rendezvous, self._epoch
+        acks = [rendezvous.ack_path(epoch, r) for r in range(1, rendezvous.size)]
+
+        def done() -> None:
+            try:
+                close()
+            finally:
+                for name in [rendezvous.path(epoch), *acks]:
+                    _unlink_quiet(name)
+
+        _KEEPER.hold(lambda: all(os.path.exists(a) for a in acks), done, time.monotonic() + rendezvous.timeout)
+
+
+def remove_stale_epoch_files(cache_dir: str) -> int:
+    """Delete epoch files whose first rank is gone, and acknowledgements nobody waits for.
+
+    Called by every first rank before it publishes, and when a cache is opened or pruned,
+    like the other temporaries. Returns how many files went.
+    """
+    directory = os.path.join(cache_dir, EPOCHS_DIR)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    removed = 0
+    live = set()
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        if _EPOCH_FILE.match(name):
+            body = _read_json(path)
+            if body is not None and not _proc.is_alive(body.get("pid", -1), body.get("start_time"), body.get("host")):
+                removed += _unlink_quiet(path)
+            else:
+                live.add(name[:-len(".json")])
+    for name in names:
+        path = os.path.join(directory, name)
+        ack = _ACK_FILE.match(name)
+        stale_ack = ack is not None and f"{ack.group(1)}-{ack.group(2)}" not in live and _older(path, now, AGREE_TIMEOUT_S)
+        stale_temp = name.endswith(".tmp") and _older(path, now, _TEMP_MAX_AGE_S)
+        if stale_ack or stale_temp:
+            removed += _unlink_quiet(path)
+    return removed
+
+
+def _older(path: str, now: float, seconds: float) -> bool:
+    try:
+        return now - os.stat(path).st_mtime > seconds
+    except FileNotFoundError:
+        return False
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None  # absent, or (never, since writes are atomic) damaged: wait for the next write
+    return data if isinstance(data, dict) else None
+
+
+def _unlink_quiet(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
