@@ -1,0 +1,574 @@
+"""Vectorized reading of fixed-layout shards: numpy works on pieces of records, not on one at a time.
+
+Every record growcache writes for one schema has the same length and the same layout
+(:attr:`~growcache.example.ExampleCodec.fixed_layout`: no ``int64_list`` feature), so in a
+shard of such records, record ``i`` starts at byte ``i * frame`` and each feature's payload
+sits at a fixed offset inside it. :class:`VectorReader` reads a shard in pieces of about
+1 MiB of frames and, per piece:
+
+* compares every frame's 12-byte header and the Example's structure bytes with the
+  constants the schema implies: one numpy comparison for the whole piece;
+* checks each record's data CRC32C: one C call per record (per payload and structure run
+  when payloads are read in place, below), and one numpy comparison of all of them with
+  the stored CRCs;
+* puts each feature's payloads into their batch rows. Small records are read into one
+  page-aligned buffer and copied out with one numpy copy per feature (a scattered index
+  when a shuffle window spreads them over its batches, so the shuffle costs no extra
+  copy). Large records are read straight into their batch rows by one ``preadv`` whose
+  buffers are the rows themselves: the kernel's copy out of the page cache is the only
+  copy of their payload.
+
+No Python runs per record beyond the CRC calls. Whatever differs from the fixed layout is
+read by the record-by-record path of :class:`~growcache.batching.BatchReader`, so the
+outcome (batches, their order, errors with their file and offset, ``Skipped`` notes) is
+exactly that reader's:
+
+* a shard whose size is not its named record count times the frame size (cut short, or
+  written by another tool with records of other lengths), or that is not a regular file,
+  is read record by record from its start;
+* from the first frame whose header differs (another length, a corrupt header), the rest
+  of the shard is read record by record;
+* a record whose structure bytes differ (another writer's order of features) is parsed
+  alone by the codec's general path.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .batching import Allocate, BatchReader, ReaderShare, Skipped
+from .errors import CorruptShardError
+from .example import BatchDecoder, ExampleCodec
+from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_header
+from .shard import ShardInfo
+
+__all__ = ["VectorReader"]
+
+logger = logging.getLogger(__name__)
+
+# Frames checked and placed per step: the CRC pass leaves a piece in the CPU cache for the
+# copy that follows it, so the page cache is read from memory once.
+_PIECE_BYTES = 1 << 20
+# Records whose payloads average at least this much per feature are read straight into
+# their batch rows (a buffer per payload in one preadv); smaller ones are read into one
+# buffer and copied, which costs less than the Python work of a buffer per payload.
+_DIRECT_BYTES = 64 << 10
+# Features at least this large are copied row by row when no window-wide view exists (a
+# numpy call per row costs nothing beside the copy); smaller ones by a fancy index.
+_ROW_COPY_BYTES = 64 << 10
+_IOV_MAX = 1024  # Linux's UIO_MAXIOV
+_MASK_DELTA = np.uint32(0xA282EAD8)
+_DATA_CRC = "data CRC32C mismatch (corrupt record payload)"
+
+Batch = tuple[object, dict[str, np.ndarray], int]
+
+
+class _FixedFrames:
+    """Where the constant bytes and the payloads of one schema's frames are."""
+
+    def __init__(self, codec: ExampleCodec) -> None:
+        self.record = codec.record_nbytes
+        self.frame = frame = self.record + HEADER_BYTES + FOOTER_BYTES
+        #: (start in the frame, bytes) of each feature's payload, schema order
+        self.payloads = [(HEADER_BYTES + offset, nbytes) for _, offset, nbytes in codec.layout]
+        # The constant runs between non-empty payloads, the last one ending with the footer.
+        self.runs: list[tuple[int, int]] = []
+        run_start = 0
+        for start, nbytes in self.payloads:
+            if nbytes:
+                self.runs.append((run_start, start))
+                run_start = start + nbytes
+        self.runs.append((run_start, frame))
+        #: frame columns that hold the same bytes in every frame (all but payloads and
+        #: footer), in order, and those bytes
+        self.columns = np.concatenate([np.arange(a, b) for a, b in self.runs])[:-FOOTER_BYTES]
+        frame_bytes = np.zeros(frame, np.uint8)
+        frame_bytes[:HEADER_BYTES] = np.frombuffer(frame_header(self.record), np.uint8)
+        for prefix, (start, _) in zip(codec.prefixes, self.payloads):
+            frame_bytes[start - len(prefix):start] = np.frombuffer(prefix, np.uint8)
+        self.values = frame_bytes[self.columns]
+        #: bytes of a frame's constant runs (read into scratch when payloads go direct)
+        self.scratch = int(sum(b - a for a, b in self.runs))
+        self.piece = max(1, _PIECE_BYTES // frame)
+        payload_count = sum(1 for _, nbytes in self.payloads if nbytes)
+        self.direct = payload_count > 0 and self.record >= _DIRECT_BYTES * payload_count
+
+    def records_in(self, path: str, size: int) -> int | None:
+        """Frames a file of ``size`` bytes holds if it is all fixed frames, or ``None``.
+
+        A published shard must hold exactly the records and bytes its name states; any
+        other file is read to its end.
+        """
+        named = ShardInfo.from_path(path)
+        if named is not None:
+            return named.records if size == named.nbytes == named.records * self.frame else None
+        return size // self.frame if size % self.frame == 0 else None
+
+    def check(self, constant: np.ndarray, footers: np.ndarray, records: list[Any],
+              verify: bool) -> tuple[int, str | None, np.ndarray]:
+        """Check consecutive frames by their constant bytes and CRCs.
+
+        Args:
+            constant: ``(count, len(columns))`` bytes, each frame's constant bytes.
+            footers: the stored masked CRCs.
+            records: per frame, its record's bytes for the CRC: one buffer, or a list of
+                buffers when payloads were read in place (:attr:`direct`).
+            verify: check the CRCs.
+
+        Returns:
+            ``(good, why, layout_ok)``: the first ``good`` frames may be used; ``why`` says
+            what is wrong with the next one (``"header"``: read on record by record;
+            ``"crc"``: corrupt), ``None`` if nothing is. ``layout_ok`` flags which of the
+            good frames have the fixed layout.
+        """
+        same = constant == self.values
+        headers_ok = same[:, :HEADER_BYTES].all(axis=1)
+        good = len(constant)
+        why = None
+        if not headers_ok.all():
+            good, why = int(np.argmin(headers_ok)), "header"
+        if verify and good:
+            crcs = map(crc32c, records[:good]) if self.direct is False else map(_crc_of, records[:good])
+            computed = np.fromiter(crcs, np.uint32, good)
+            masked = ((computed >> np.uint32(15)) | (computed << np.uint32(17))) + _MASK_DELTA
+            mismatch = masked != footers[:good]
+            if mismatch.any():
+                good, why = int(np.argmax(mismatch)), "crc"
+        return good, why, same[:good, HEADER_BYTES:].all(axis=1)
+
+
+def _crc_of(pieces: list[Any]) -> int:
+    crc = 0
+    for piece in pieces:
+        crc = crc32c(piece, crc)
+    return crc
+
+
+def _aligned(nbytes: int) -> tuple[np.ndarray, memoryview]:
+    """A page-aligned buffer (anonymous memory): the kernel copies into an unaligned one
+    at a fraction of the speed on some CPUs."""
+    memory = mmap.mmap(-1, max(nbytes, 1))
+    return np.frombuffer(memory, np.uint8)[:nbytes], memoryview(memory)[:nbytes]
+
+
+def _preadv_exactly(fd: int, buffers: list[Any], offset: int, path: str) -> None:
+    """Fill ``buffers`` from ``offset`` on, however the reads split."""
+    index = 0
+    while index < len(buffers):
+        chunk = buffers[index:index + _IOV_MAX]
+        got = os.preadv(fd, chunk, offset)
+        if not got:
+            raise CorruptShardError(path, offset, "file shrank while it was read")
+        offset += got
+        for buffer in chunk:
+            size = len(buffer)
+            if got < size:  # a short read: go on from inside this buffer
+                buffers[index] = buffer[got:]
+                break
+            got -= size
+            index += 1
+
+
+class _Shard:
+    """An open shard of fixed frames, read a piece at a time; :meth:`open` says whether it is one."""
+
+    def __init__(self, path: str, fixed: _FixedFrames, records: int, fd: int) -> None:
+        self.path = path
+        self.fixed = fixed
+        self.records = records
+        self.fd = fd
+        piece = min(fixed.piece, max(records, 1))
+        if fixed.direct:
+            self.buffer, self.view = _aligned(piece * fixed.scratch)
+        else:
+            self.buffer, self.view = _aligned(piece * fixed.frame)
+
+    @classmethod
+    def open(cls, path: str, fixed: _FixedFrames) -> _Shard | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None  # the record-by-record reader raises what the user should see
+        try:
+            info = os.fstat(fd)
+            records = fixed.records_in(path, info.st_size) if stat.S_ISREG(info.st_mode) else None
+        except BaseException:
+            os.close(fd)
+            raise
+        if records is None:
+            os.close(fd)
+            return None
+        return cls(path, fixed, records, fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.view.release()
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[memoryview]]:
+        """Frames ``[start, start + count)`` into the buffer (valid until the next call).
+
+        Returns:
+            ``(frames, constant, footers, records)``: the ``(count, frame)`` bytes, their
+            constant bytes, stored CRCs, and each record's bytes.
+        """
+        fixed = self.fixed
+        frame, length = fixed.frame, fixed.record
+        _preadv_exactly(self.fd, [self.view[:count * frame]], start * frame, self.path)
+        frames = self.buffer[:count * frame].reshape(count, frame)
+        view = self.view
+        records = [view[o:o + length] for o in range(HEADER_BYTES, count * frame, frame)]
+        return frames, frames[:, fixed.columns], frames[:, frame - FOOTER_BYTES:].view("<u4")[:, 0], records
+
+    def read_into(self, start: int, rows: list[list[memoryview]]) -> tuple[np.ndarray, np.ndarray, list[list[Any]]]:
+        """Frames ``[start, start + len(rows))``, each payload straight into its row.
+
+        Args:
+            rows: per frame, the destination of each non-empty payload.
+
+        Returns:
+            ``(constant, footers, records)``, as :meth:`read` (without the frames).
+        """
+        fixed = self.fixed
+        scratch, view = fixed.scratch, self.view
+        sizes = [b - a for a, b in fixed.runs]
+        buffers: list[Any] = []
+        records = []
+        for index, destinations in enumerate(rows):
+            at = index * scratch
+            pieces = []
+            for size, destination in zip(sizes, destinations):
+                pieces.append(view[at:at + size])
+                pieces.append(destination)
+                at += size
+            pieces.append(view[at:at + sizes[-1]])
+            buffers.extend(pieces)
+            pieces[0] = pieces[0][HEADER_BYTES:]  # the record's own bytes, for its CRC
+            pieces[-1] = pieces[-1][:sizes[-1] - FOOTER_BYTES]
+            records.append(pieces)
+        _preadv_exactly(self.fd, buffers, start * fixed.frame, self.path)
+        count = len(rows)
+        table = self.buffer[:count * scratch].reshape(count, scratch)
+        return table[:, :scratch - FOOTER_BYTES], table[:, scratch - FOOTER_BYTES:].view("<u4")[:, 0], records
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _spanning_view(batches: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(view, position)``: one ``(len(batches), rows, nbytes)`` view of the batches' byte rows,
+    and each batch's index in it; ``None`` unless they are equally spaced in one buffer.
+
+    A shared-memory slab holds its batches at equally spaced offsets (always, for the two
+    batches of a default window), so a window's records reach every batch in one scatter.
+    """
+    first = batches[0]
+    root = _root(first)
+    if first.size == 0 or not root.flags.c_contiguous or not root.flags.writeable:
+        return None
+    origin = root.__array_interface__["data"][0]
+    offsets = []
+    for batch in batches:
+        if _root(batch) is not root or batch.shape != first.shape or not batch.flags.c_contiguous:
+            return None
+        offsets.append(batch.__array_interface__["data"][0] - origin)
+    order = np.argsort(offsets)
+    starts = np.asarray(offsets)[order]
+    steps = np.diff(starts)
+    step = int(steps[0]) if steps.size else first.nbytes
+    if step < first.nbytes or (steps != step).any():
+        return None
+    view = np.ndarray((len(batches), *first.shape), np.uint8, root, int(starts[0]), (step, first.shape[1], 1))
+    position = np.empty(len(batches), np.intp)
+    position[order] = np.arange(len(batches))
+    return view, position
+
+
+class _Window:
+    """The batches one shuffle window fills, exactly as :class:`BatchReader` fills them.
+
+    The window's permutation is drawn from the reader's generator when its first record
+    arrives; record ``k`` of the window lands on row ``targets[k]``. Batches are allocated
+    when their first record lands, and come out together when the window closes.
+    """
+
+    def __init__(self, reader: VectorReader, decoder: BatchDecoder, allocate: Allocate,
+                 release: Callable[[object], None] | None, rng: np.random.Generator) -> None:
+        self.batch_size = reader.batch_size
+        self.batches = reader.window_batches
+        self.rows = self.batches * self.batch_size
+        self.drop_last = reader.drop_last
+        self.decoder = decoder
+        self.allocate = allocate
+        self.release = release
+        self.rng = rng
+        self.entries: list[tuple[object, dict[str, np.ndarray], list[np.ndarray]] | None] = []
+        self.targets: np.ndarray | None = None  # None: sequential
+        self.placed = 0
+        # Per feature, the window's batches as one (batches, batch_size, nbytes) array, when
+        # their memory allows it, and where each batch sits in it: one scatter per feature.
+        self.spans: list[tuple[np.ndarray, np.ndarray] | None] = []
+        # Per batch, each non-empty payload's rows as one flat buffer (records read in place).
+        self.direct = reader._fixed is not None and reader._fixed.direct
+        self.flats: list[list[tuple[memoryview, int]] | None] = []
+
+    def open(self) -> None:
+        """Start a window if none is open (once a record is known to land in it)."""
+        if self.entries:
+            return
+        self.entries = [None] * self.batches
+        self.flats = [None] * self.batches
+        self.placed = 0
+        if self.batches == 1:
+            self.targets = None
+            return
+        self.targets = self.rng.permutation(self.rows)
+        # Records land in every batch of a window at once, so all are allocated now (the
+        # record-by-record reader allocates them as they get their first record).
+        rows = [self._rows_of(number) for number in range(self.batches)]
+        self.spans = [_spanning_view(batches) for batches in zip(*rows)]
+
+    @property
+    def room(self) -> int:
+        return self.rows - self.placed
+
+    def _rows_of(self, number: int) -> list[np.ndarray]:
+        entry = self.entries[number]
+        if entry is None:  # allocated when its first record lands
+            key, arrays = self.allocate(self.batch_size)
+            rows = self.decoder.rows(arrays)
+            entry = self.entries[number] = (key, arrays, rows)
+            if self.direct:
+                self.flats[number] = [(memoryview(row).cast("B"), row.shape[1]) for row in rows if row.size]
+        return entry[2]
+
+    def _target(self, position: int) -> int:
+        return int(self.targets[position]) if self.targets is not None else position
+
+    def put(self, record: Any) -> None:
+        """Place one record (the record-by-record path)."""
+        target = self._target(self.placed)
+        self.decoder.put(record, self._rows_of(target // self.batch_size), target % self.batch_size)
+        self.placed += 1
+
+    def destinations(self, count: int) -> list[list[memoryview]]:
+        """Per record of the next ``count``, the row of each of its non-empty payloads."""
+        positions = (range(self.placed, self.placed + count) if self.targets is None
+                     else self.targets[self.placed:self.placed + count].tolist())
+        size = self.batch_size
+        out = []
+        for target in positions:
+            number, row = divmod(target, size)
+            entry = self.flats[number]
+            if entry is None:
+                self._rows_of(number)
+                entry = self.flats[number]
+            out.append([flat[row * nbytes:(row + 1) * nbytes] for flat, nbytes in entry])
+        return out
+
+    def placed_direct(self, count: int, layout_ok: np.ndarray, shard: _Shard, start: int) -> None:
+        """Count ``count`` records read in place by :meth:`_Shard.read_into` as placed."""
+        first = self.placed
+        # Records of another layout (same length, other order of features) landed as if
+        # they had ours; read them whole and put them through the codec's general path.
+        for index in np.flatnonzero(~layout_ok).tolist():
+            frame = shard.fixed.frame
+            record = os.pread(shard.fd, frame, (start + index) * frame)[HEADER_BYTES:frame - FOOTER_BYTES]
+            self.placed = first + index
+            self.put(record)
+        self.placed = first + count
+
+    def put_frames(self, frames: np.ndarray, payloads: list[tuple[int, int]], layout_ok: np.ndarray,
+                   record_length: int) -> None:
+        """Place consecutive fixed frames (``frames``: ``(k, frame)`` bytes) in the window's next rows."""
+        count = len(frames)
+        first = self.placed
+        if self.targets is None:  # sequential: one window is one batch
+            for dst, (start, nbytes) in zip(self._rows_of(0), payloads):
+                if nbytes:
+                    dst[first:first + count] = frames[:, start:start + nbytes]
+        else:
+            numbers, at = np.divmod(self.targets[first:first + count], self.batch_size)
+            groups = None
+            for feature, (span, (start, nbytes)) in enumerate(zip(self.spans, payloads)):
+                if not nbytes:
+                    continue
+                source = frames[:, start:start + nbytes]
+                if span is not None:  # one scatter, no temporary
+                    view, position = span
+                    view[position[numbers], at] = source
+                    continue
+                if groups is None:
+                    groups = [(n, np.flatnonzero(numbers == n)) for n in np.unique(numbers).tolist()]
+                for number, picked in groups:
+                    dst = self._rows_of(number)[feature]
+                    if nbytes >= _ROW_COPY_BYTES:
+                        for index, row in zip(picked.tolist(), at[picked].tolist()):
+                            dst[row] = source[index]
+                    else:
+                        dst[at[picked]] = source[picked]
+        self.placed = first + count
+        # Records of another layout (same length, other order of features) were copied as
+        # if they had ours; put them again through the codec's general path.
+        for index in np.flatnonzero(~layout_ok).tolist():
+            self.placed = first + index
+            self.put(frames[index, HEADER_BYTES:HEADER_BYTES + record_length].data)
+        self.placed = first + count
+
+    def close(self) -> Iterator[Batch]:
+        """Yield the window's batches (dense: a last partial window is compacted)."""
+        filled, size = self.placed, self.batch_size
+        if filled < self.rows and self.targets is not None:
+            # Move the records that landed at or past ``filled`` into the holes below it,
+            # pairing holes and movers in ascending order as the record-by-record reader does.
+            used = np.zeros(self.rows, bool)
+            used[self.targets[:filled]] = True
+            holes = np.flatnonzero(~used[:filled])
+            movers = np.flatnonzero(used[filled:]) + filled
+            hole_batches, mover_batches = holes // size, movers // size
+            for into in np.unique(hole_batches).tolist():
+                for source in np.unique(mover_batches[hole_batches == into]).tolist():
+                    pick = (hole_batches == into) & (mover_batches == source)
+                    dst_rows, src_rows = holes[pick] % size, movers[pick] % size
+                    for dst, src in zip(self._rows_of(into), self._rows_of(source)):
+                        dst[dst_rows] = src[src_rows]
+        for number, entry in enumerate(self.entries):
+            if entry is None:
+                continue
+            rows = min(size, filled - number * size)
+            if rows == size or (rows > 0 and not self.drop_last):
+                self.decoder.finish(entry[1], entry[2], rows)
+                yield entry[0], entry[1], rows
+            elif self.release is not None:
+                self.release(entry[0])  # allocated, then emptied by the compaction or drop_last
+        self.entries = []
+        self.flats = []
+
+
+class VectorReader(BatchReader):
+    """A :class:`~growcache.batching.BatchReader` that reads fixed-layout shards a piece at a time.
+
+    Same arguments, same batches, same errors and ``Skipped`` notes as the record-by-record
+    reader; see the module docstring for what takes which path. A schema without a fixed
+    layout (an ``int64_list`` feature) is read entirely by the record-by-record reader.
+
+    Args:
+        schema: the records' schema.
+        batch_size: rows per batch.
+        frames: framing function of the record-by-record path. Default:
+            :func:`~growcache.batching.growcache_frames`.
+        verify: check every record's CRC32C. Default: ``True``.
+        on_corrupt: ``"raise"`` or ``"skip"`` (see :class:`BatchReader`). Default: ``"raise"``.
+        drop_last: drop the final partial batch. Default: ``False``.
+        shuffle_buffer: records shuffled together (see :class:`BatchReader`). Default: ``0``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed = _FixedFrames(self.codec) if self.codec.fixed_layout else None
+        self.records_fast = 0  # records read by the vectorized path (the rest went record by record)
+
+    def batches(
+        self, share: ReaderShare, allocate: Allocate, release: Callable[[object], None] | None = None
+    ) -> Iterator[Batch | Skipped]:
+        """Yield ``(key, arrays, rows)`` per batch and a :class:`Skipped` per skipped shard,
+        exactly as :meth:`BatchReader.batches` does."""
+        if self._fixed is None:
+            yield from super().batches(share, allocate, release)
+            return
+        decoder = BatchDecoder(self.codec)
+        rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
+        window = _Window(self, decoder, allocate, release, rng)
+        remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
+        passes_without_records = 0
+        for index in self._shard_order(share):
+            if remaining <= 0:
+                break
+            path = os.fsdecode(share.paths[index])
+            got = 0
+            try:
+                for item in self._read_shard(path, window, remaining):
+                    if isinstance(item, int):
+                        got += item
+                        remaining -= item
+                    else:
+                        yield item
+            except CorruptShardError as exc:
+                if self.on_corrupt == "raise":
+                    raise
+                lost = max(int(share.records[index]) - got, 0)
+                self.records_skipped += lost
+                logger.warning("skipping the rest of corrupt shard %s from byte %d: %s", path, exc.offset, exc.reason)
+                yield Skipped(exc.path, exc.offset, exc.reason, lost)
+            self.records_read += got
+            # A top up over shards that all turn out corrupt must end, not spin.
+            passes_without_records = 0 if got else passes_without_records + 1
+            if passes_without_records > len(share.shards) + len(share.cycle):
+                break
+        if window.entries:
+            yield from window.close()
+
+    def _read_shard(self, path: str, window: _Window, remaining: int) -> Iterator[int | Batch]:
+        """Place up to ``remaining`` records of one shard; yield the counts placed, and the
+        batches of every window that fills. Raises :class:`CorruptShardError` where the
+        record-by-record reader would, after placing the same records before it."""
+        fixed = self._fixed
+        shard = _Shard.open(path, fixed)
+        done = 0
+        if shard is not None:
+            try:
+                while done < shard.records and remaining > 0:
+                    room = window.room if window.entries else window.rows
+                    count = min(fixed.piece, shard.records - done, room, remaining)
+                    if fixed.direct:
+                        # The rows must be known before the read. Opening the window (drawing
+                        # its permutation) before its first record is checked changes nothing:
+                        # the next good record would draw the same permutation.
+                        window.open()
+                        constant, footers, records = shard.read_into(done, window.destinations(count))
+                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify)
+                        window.placed_direct(good, layout_ok, shard, done)
+                    else:
+                        frames, constant, footers, records = shard.read(done, count)
+                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify)
+                        if good:
+                            window.open()
+                            window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record)
+                    records = None
+                    if good:
+                        done += good
+                        remaining -= good
+                        self.records_fast += good
+                        yield good
+                        if window.room == 0:
+                            yield from window.close()
+                    if why == "crc":
+                        raise CorruptShardError(path, done * fixed.frame, _DATA_CRC)
+                    if why == "header":
+                        break
+                else:
+                    return
+            finally:
+                shard.close()
+        # The record-by-record path, from the first record the vectorized one did not place
+        # (its framing is checked again from the start: a frame cannot be found otherwise).
+        for number, (_, record) in enumerate(self.frames(path, self.verify)):
+            if number < done:
+                continue
+            window.open()
+            window.put(record)
+            remaining -= 1
+            yield 1
+            if window.room == 0:
+                yield from window.close()
+            if remaining <= 0:
+                return  # before framing another record: the quota ends the shard here
