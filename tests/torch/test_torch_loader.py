@@ -55,28 +55,34 @@ def test_growth_across_epochs_with_a_writer(id_cache):
     expected = sorted(s for s in range(12))
     next_id = 12
     for epoch in range(3):
-        stop = threading.Event()
-        added: list[int] = []
+        stop, published_before, epoch_started = threading.Event(), threading.Event(), threading.Event()
+        before: list[int] = []
+        during: list[int] = []
 
-        def writer(first: int = next_id) -> None:  # publishes while the epoch runs
-            nid = first
-            while not stop.is_set() and nid < first + 20:
-                added.extend(write_shards(id_cache, [4], first_id=nid))
+        def writer(first: int = next_id) -> None:
+            # Two shards before the epoch's iter(), then more while the epoch runs.
+            before.extend(write_shards(id_cache, [4, 4], first_id=first))
+            published_before.set()
+            epoch_started.wait(60)
+            nid = first + 8
+            while not stop.is_set() and nid < first + 28:
+                during.extend(write_shards(id_cache, [4], first_id=nid))
                 nid += 4
                 time.sleep(0.01)
 
         thread = threading.Thread(target=writer)
         thread.start()
-        ids = _epoch(loader)
+        assert published_before.wait(60)
+        iterator = iter(loader)  # the epoch's snapshot: everything published until now
+        epoch_started.set()
+        ids = [i for batch in iterator for i in batch["id"].tolist()]
         stop.set()
         thread.join()
-        # the epoch reads exactly its snapshot: everything published before iter(), whatever came after
-        assert sorted(ids)[:len(expected)] == expected
-        assert len(ids) == len(set(ids))
-        assert set(ids) - set(expected) <= set(added)
-        expected = sorted(expected + added)
+        # Exactly its snapshot: every earlier record once, the writer's shards published before
+        # iter(), and none of those it published during the epoch (they wait for the next).
+        assert sorted(ids) == sorted(expected + before), f"epoch {epoch}"
+        expected = sorted(expected + before + during)
         next_id += 100
-    assert len(expected) > 12  # the cache grew and later epochs saw it
 
 
 def test_epoch_reads_whole_snapshot_while_eviction_runs(tmp_path):
@@ -178,16 +184,38 @@ def test_empty_cache_waits_then_raises(id_cache):
     timer.join()
 
 
-def test_shard_lists_reach_workers_as_arrays(id_cache):
-    write_shards(id_cache, [3, 3])
-    loader = make_torch_loader(id_cache, 2, num_workers=2)
-    it = iter(loader)
-    next(it)
-    share = loader._stream.channels  # noqa: F841 - the message itself is consumed; inspect the plan
-    plan = loader.last_plan
-    assert all(isinstance(s, np.ndarray) and s.dtype == np.int64 for s in plan.shards)
-    for _ in it:
-        pass
+def test_shard_lists_reach_workers_as_arrays(id_cache, tmp_path, monkeypatch):
+    # What each DataLoader worker's reader is handed, recorded in the worker itself: forked
+    # workers inherit this patch (the context is forced to fork so that they do).
+    import json
+
+    from growcache.batching import BatchReader
+
+    write_shards(id_cache, [3, 3, 3, 3])
+    received = tmp_path / "received.jsonl"
+    original = BatchReader.batches
+    trainer = os.getpid()
+
+    def recording(self, share, *args, **kwargs):
+        fields = {name: getattr(share, name) for name in ("paths", "records", "shards", "cycle")}
+        line = json.dumps({"pid": os.getpid(),
+                           "types": {n: [type(v).__name__, v.dtype.kind if isinstance(v, np.ndarray) else None]
+                                     for n, v in fields.items()},
+                           "paths": [os.fsdecode(p) for p in share.shard_paths()]})
+        with open(received, "a") as f:
+            f.write(line + "\n")
+        return original(self, share, *args, **kwargs)
+
+    monkeypatch.setattr(BatchReader, "batches", recording)
+    loader = make_torch_loader(id_cache, 2, num_workers=2, multiprocessing_context="fork")
+    assert sorted(_epoch(loader)) == list(range(12))
+    shares = [json.loads(line) for line in received.read_text().splitlines()]
+    assert len(shares) == 2 and trainer not in {s["pid"] for s in shares}, "one share per worker, in the workers"
+    for share in shares:
+        # No Python list of str: numpy arrays of fixed-width bytes and int64 indices.
+        assert share["types"] == {"paths": ["ndarray", "S"], "records": ["ndarray", "i"],
+                                  "shards": ["ndarray", "i"], "cycle": ["ndarray", "i"]}, share["types"]
+    assert sorted(p for s in shares for p in s["paths"]) == sorted(s.path for s in id_cache.list_shards())
 
 
 @pytest.fixture
