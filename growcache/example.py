@@ -531,7 +531,11 @@ class BatchDecoder:
                              for i in range(len(self.specs))]
 
     def rows(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Flat byte rows to fill for a batch of ``arrays`` (each ``(batch, *shape)``)."""
+        """Flat byte rows to fill for a batch of ``arrays`` (each ``(batch, *shape)``).
+
+        One row array per feature, in schema order (an ``int64_list`` feature's is a staging
+        area of 10 bytes per value), then one payload-length array per ``int64_list`` feature.
+        """
         rows = []
         batch = next(iter(arrays.values())).shape[0]
         for spec, length_row in zip(self.specs, self._length_rows):
@@ -539,7 +543,9 @@ class BatchDecoder:
                 rows.append(np.empty((batch, max(spec.size * MAX_VARINT_BYTES, 1)), np.uint8))
             else:
                 rows.append(arrays[spec.name].reshape(batch, spec.nbytes // spec.dtype.itemsize).view(np.uint8))
-        rows.extend(np.zeros(batch, np.int32) for _ in self._varint)  # payload lengths
+        # Payload lengths, preset to the wide form growcache writes: a reader that copies fixed
+        # layouts by the block (growcache.vector_reader) fills the staging rows and nothing else.
+        rows.extend(np.full(batch, self.specs[i].size * MAX_VARINT_BYTES, np.int32) for i in self._varint)
         return rows
 
     def put(self, record: Any, rows: list[np.ndarray], row: int) -> None:

@@ -286,7 +286,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 rng = np.random.default_rng(np.random.SeedSequence(job.seed, spawn_key=(number,)))
                 state.update({"pass": number, "order": [todo[i] for i in rng.permutation(len(todo))], "done": [],
                               "started": time.time()})
-                state["history"] = (state["history"] + [{"pass": number, "total": len(todo), "fetched": []}])[-_HISTORY:]
+                state["history"] = (state["history"] + [{"pass": number, "total": len(todo), "started": time.time(),
+                                                         "fetched": []}])[-_HISTORY:]
                 done = set()
                 logger.info("%s: pass %d fetches %d of %d shards", state["source"], number, len(todo), len(paths))
             claims = state["claims"]

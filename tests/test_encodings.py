@@ -276,3 +276,18 @@ def test_shard_writer_writes_int64_list_records_of_varying_length(tmp_path):
     # int64_list values are written as 10-byte varints: every record of a schema has one layout.
     assert shard.nbytes == len(labels) * (16 + codec.record_nbytes)
     assert codec._layout_count == 1
+
+
+def test_int64_staging_rows_filled_by_block_copy_decode_with_preset_lengths():
+    """A reader that copies growcache's fixed layout by the block fills only the staging rows."""
+    schema = Schema({"label": ("int16", (2,), "int64_list"), "x": ("uint8", (3,))})
+    codec = ExampleCodec(schema)
+    samples = [{"label": np.array([i, -i], np.int16), "x": np.full(3, i, np.uint8)} for i in range(5)]
+    records = np.frombuffer(b"".join(codec.encode(s) for s in samples), np.uint8).reshape(5, codec.record_nbytes)
+    decoder = BatchDecoder(codec)
+    arrays = {n: np.zeros((5, *s.shape), s.dtype) for n, s in schema.items()}
+    rows = decoder.rows(arrays)
+    for dst, (_, offset, nbytes) in zip(rows, codec.layout):  # what growcache.vector_reader does
+        dst[:, :nbytes] = records[:, offset:offset + nbytes]
+    decoder.finish(arrays, rows, 5)
+    assert arrays["label"].tolist() == [[i, -i] for i in range(5)]
