@@ -1,0 +1,159 @@
+"""growcache inside PyTorch Lightning: ``Trainer.fit`` on a growing cache with 0 and 2 workers,
+the loader's length as Lightning reads it, resuming from a checkpoint (the shard order follows
+the trainer's epoch), and DDP with two gloo ranks launched by Lightning itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tfrecord")
+L = pytest.importorskip("lightning")
+
+import growcache  # noqa: E402
+from conftest import write_shards  # noqa: E402
+
+SHARD = 8  # records per shard; every epoch end publishes one more
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Recorder(L.LightningModule):
+    """A one-layer model that records the ids it trains on, and grows the cache after each epoch."""
+
+    def __init__(self, cache=None, grow: bool = True, loader=None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 1)
+        self.cache = cache
+        self.grow = grow
+        self.loader = loader
+        self.ids: dict[int, list[int]] = {}
+        self.batches: dict[int, int] = {}
+        self.lengths: dict[int, object] = {}
+
+    def on_train_epoch_start(self) -> None:
+        self.ids[self.current_epoch] = []
+        self.batches[self.current_epoch] = 0
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0 and self.loader is not None:
+            try:
+                self.lengths[self.current_epoch] = len(self.loader)
+            except TypeError as exc:
+                self.lengths[self.current_epoch] = exc
+        self.ids[self.current_epoch] += batch["id"].tolist()
+        self.batches[self.current_epoch] += 1
+        return self.layer(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
+
+    def on_train_epoch_end(self) -> None:
+        if self.grow and self.global_rank == 0:
+            write_shards(self.cache, [SHARD], first_id=1000 * (self.current_epoch + 1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(tmp_path, epochs: int, **kwargs) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                     num_sanity_val_steps=0, **kwargs)
+
+
+def _quiet():
+    # Lightning's advice on worker counts and log intervals is beside the point here.
+    warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|does not have many workers).*")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fit_reads_every_grown_snapshot_once(id_cache, tmp_path, workers):
+    written = write_shards(id_cache, [SHARD, SHARD - 3])
+    loader = growcache.make_torch_loader(id_cache, 4, num_workers=workers, seed=1)
+    model = Recorder(id_cache, loader=loader)
+    _quiet()
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(model, loader)
+    for epoch in range(3):
+        expected = written + [i for e in range(epoch) for i in range(1000 * (e + 1), 1000 * (e + 1) + SHARD)]
+        assert sorted(model.ids[epoch]) == sorted(expected), f"epoch {epoch}: not every record exactly once"
+    # Lightning cannot know an epoch's length before it starts (the cache grows): it must read
+    # the loader as unknown-length, never cap a later epoch at an earlier one's count.
+    assert trainer.num_training_batches == float("inf")
+    # Once an epoch is planned, the loader knows its length: the batches the epoch yields.
+    assert model.lengths == model.batches, "len(loader) inside each epoch"
+
+
+def test_len_before_an_epoch_is_a_clear_type_error(id_cache):
+    write_shards(id_cache, [SHARD])
+    loader = growcache.make_torch_loader(id_cache, 4, num_workers=0)
+    with pytest.raises(TypeError, match="growcache") as info:
+        len(loader)
+    assert "epoch" in str(info.value)
+    assert sum(len(b["id"]) for b in loader) == SHARD
+    with pytest.raises(TypeError, match="growcache"):
+        len(loader)  # the epoch ended: the next one's length is unknown again
+
+
+def _orders(model: Recorder) -> dict[int, list[int]]:
+    return {epoch: ids for epoch, ids in model.ids.items()}
+
+
+@pytest.mark.timeout(180)
+def test_resume_reads_the_trainers_epoch_order(id_cache, tmp_path):
+    """A run resumed from a checkpoint, in a fresh loader (a new process's), reads epoch 2 and 3
+    in the order of epochs 2 and 3, not in epoch 0's order again."""
+    write_shards(id_cache, [5, 7, 6, 4, 8, 3])
+    options = dict(num_workers=0, seed=4, shuffle_buffer=0)  # ids in shard order: the order is visible
+    reference = growcache.make_torch_loader(id_cache, 4, **options)
+    expected = {}
+    for epoch in range(4):
+        reference.set_epoch(epoch)
+        expected[epoch] = [i for b in reference for i in b["id"].tolist()]
+    assert len({tuple(v) for v in expected.values()}) == 4, "epochs must differ in order for this test to mean much"
+
+    _quiet()
+    first = Recorder(id_cache, grow=False)
+    trainer = _trainer(tmp_path, 2)
+    trainer.fit(first, growcache.make_torch_loader(id_cache, 4, **options))
+    checkpoint = str(tmp_path / "two-epochs.ckpt")
+    trainer.save_checkpoint(checkpoint)
+    assert _orders(first) == {0: expected[0], 1: expected[1]}
+
+    resumed = Recorder(id_cache, grow=False)
+    _trainer(tmp_path, 4).fit(resumed, growcache.make_torch_loader(id_cache, 4, **options), ckpt_path=checkpoint)
+    assert sorted(resumed.ids) == [2, 3]
+    assert resumed.ids[2] == expected[2], "the resumed epoch 2 did not read epoch 2's order"
+    assert resumed.ids[3] == expected[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_ddp_two_ranks_disjoint_equal_growing_and_resumed(id_cache, tmp_path):
+    """torchrun starts 2 CPU ranks (gloo); Lightning's DDP trains 2 epochs, then resumes for a third."""
+    written = write_shards(id_cache, [SHARD, 5, 7, 3])
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), os.path.join(HERE, "lightning_ddp.py"), id_cache.path,
+            str(tmp_path), str(tmp_path / "ddp.ckpt"), str(SHARD)]
+    result = subprocess.run(args, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=220, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(3):
+        a, b = (ranks[r][str(epoch)] for r in range(2))
+        assert a["batches"] == b["batches"] > 0, (epoch, a["batches"], b["batches"])
+        assert not set(a["ids"]) & set(b["ids"]), f"epoch {epoch}: ranks overlap"
+        grown = [i for e in range(epoch) for i in range(1000 * (e + 1), 1000 * (e + 1) + SHARD)]
+        assert set(a["ids"]) | set(b["ids"]) == set(written + grown), f"epoch {epoch}: records missing"
+        # Epoch 2 runs in a new Trainer with a new loader, resumed from the checkpoint.
+        assert a["planned_epoch"] == b["planned_epoch"] == epoch, (epoch, a["planned_epoch"], b["planned_epoch"])
