@@ -46,7 +46,7 @@ import numpy as np
 from .batching import Allocate, BatchReader, ReaderShare, Skipped
 from .errors import CorruptShardError
 from .example import BatchDecoder, ExampleCodec
-from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_header
+from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
 from .shard import ShardInfo
 
 __all__ = ["VectorReader"]
@@ -561,7 +561,7 @@ class VectorReader(BatchReader):
                 shard.close()
         # The record-by-record path, from the first record the vectorized one did not place
         # (its framing is checked again from the start: a frame cannot be found otherwise).
-        for number, (_, record) in enumerate(self.frames(path, self.verify)):
+        for number, (_, record) in enumerate(count_checked(path, self.frames(path, self.verify))):
             if number < done:
                 continue
             window.open()

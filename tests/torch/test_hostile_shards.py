@@ -1,0 +1,70 @@
+"""Random damage to random shards, read by make_torch_loader with on_corrupt="skip" (issue 17's
+property test; the verify part is in test_bad_inputs.py, the TensorFlow part in tests/tf/).
+
+Every epoch ends normally, every skipped shard is one that was damaged and is named by its file,
+every delivered record is intact and delivered once, and every record of an undamaged shard is
+delivered.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tfrecord")
+
+from conftest import ID_SCHEMA, id_sample, write_shards  # noqa: E402
+from growcache import Cache, CorruptShardError, make_torch_loader  # noqa: E402
+from growcache.adapters.torch_loader import tfrecord_frames  # noqa: E402
+from growcache.batching import ReaderShare  # noqa: E402
+from growcache.vector_reader import VectorReader  # noqa: E402
+from hostile import damaged_cache  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), reader=st.sampled_from(["tfrecord", "growcache"]), workers=st.sampled_from([0, 2]))
+def test_a_torch_epoch_over_random_damage_skips_only_damaged_shards_and_delivers_intact_records(
+        tmp_path_factory, data, reader, workers):
+    cache, damaged, ids = damaged_cache(str(tmp_path_factory.mktemp("c") / "cache"), data)
+    loader = make_torch_loader(cache, 4, num_workers=workers, on_corrupt="skip", reader=reader,
+                               multiprocessing_context="fork" if workers else None)
+    delivered = collections.Counter()
+    for batch in loader:
+        for record_id, x in zip(batch["id"].tolist(), batch["x"].numpy()):
+            np.testing.assert_array_equal(x, id_sample(record_id)["x"])
+            delivered[record_id] += 1
+    assert max(delivered.values(), default=1) == 1, "a record was delivered twice"
+    skipped = {note.path for note in loader.skipped}
+    assert skipped <= damaged, "only damaged shards are skipped"
+    for note in loader.skipped:
+        assert os.path.basename(note.path).endswith(".tfrecord") and note.reason
+    for path, shard_ids in ids.items():
+        if path not in damaged:
+            assert all(delivered[i] == 1 for i in shard_ids), f"an intact shard lost records: {path}"
+        elif path not in skipped:
+            # Damage that framing cannot see is impossible: every changed shard is found.
+            raise AssertionError(f"damaged shard {path} was read without an error")
+    assert set(delivered) <= {i for shard_ids in ids.values() for i in shard_ids}
+
+
+def test_the_vectorized_reader_checks_the_count_with_any_framing(tmp_path):
+    # A shard cut at a record boundary: the vectorized path hands it to the record-by-record
+    # framing, which must still find it short (the tfrecord package's framing cannot know).
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    shards = cache.list_shards()
+    os.truncate(shards[0].path, 7 * (shards[0].nbytes // 8))
+    share = ReaderShare(paths=np.array([s.path.encode() for s in shards]),
+                        records=np.array([s.records for s in shards]), shards=np.arange(2), quota=-1)
+    for frames in (tfrecord_frames, None):
+        reader = VectorReader(ID_SCHEMA, 4, **({"frames": frames} if frames else {}))
+        with pytest.raises(CorruptShardError, match="holds 7 records, its name says 8"):
+            for _ in reader.batches(share, lambda rows: (object(), {
+                    n: np.empty((4, *s.shape), s.dtype) for n, s in ID_SCHEMA.items()})):
+                pass
