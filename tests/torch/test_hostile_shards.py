@@ -68,3 +68,20 @@ def test_the_vectorized_reader_checks_the_count_with_any_framing(tmp_path):
             for _ in reader.batches(share, lambda rows: (object(), {
                     n: np.empty((4, *s.shape), s.dtype) for n, s in ID_SCHEMA.items()})):
                 pass
+
+
+@pytest.mark.parametrize("reader", ["tfrecord", "growcache"])
+def test_a_shard_cut_at_a_record_boundary_is_corrupt_in_a_torch_epoch(tmp_path, reader):
+    # Issue 18: 7 whole records in a shard whose name says 8 were delivered as a complete epoch.
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    short = cache.list_shards()[0]
+    os.truncate(short.path, 7 * (short.nbytes // 8))
+    with pytest.raises(CorruptShardError, match="holds 7 records, its name says 8") as info:
+        for _ in make_torch_loader(cache, 4, num_workers=0, reader=reader):
+            pass
+    assert info.value.path == short.path
+    loader = make_torch_loader(cache, 4, num_workers=0, reader=reader, on_corrupt="skip")
+    ids = sorted(i for batch in loader for i in batch["id"].tolist())
+    assert ids[-8:] == list(range(8, 16)) and len(ids) <= 15
+    assert [(s.path, s.records) for s in loader.skipped] == [(short.path, 8 - (len(ids) - 8))]
