@@ -42,13 +42,17 @@ from growcache.device_release import InFlight, ReleaseQueue, deliver
 from growcache.errors import DeviceError
 from growcache.transport import Slab, SlotHandle
 
-__all__ = ["CudaDelivery", "SlotBatch", "resolve_device"]
+__all__ = ["EXTRA_SLOTS", "CudaDelivery", "SlotBatch", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
 # cudaHostRegisterPortable: the memory is page-locked for every CUDA context, so a process
 # that uses several devices can copy a slab to any of them.
 _REGISTER_PORTABLE = 1
+#: Slots each slab needs beyond the CPU path's: with ``device=``, one batch's copy is in
+#: flight ahead of the consumer and one waits for its event; with ``pin_memory=True``, one
+#: dropped batch waits for the next fence and one for that fence's event.
+EXTRA_SLOTS = 2
 _WARNED: set[str] = set()
 
 
@@ -304,6 +308,11 @@ class CudaDelivery:
         if self.device.index is not None:
             return self.device
         return torch.device("cuda", torch.cuda.current_device())
+
+    def batches(self, host_batches: Iterable[SlotBatch | dict[str, torch.Tensor]]
+                ) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch: device batches, or pinned CPU batches with ``pin=True``."""
+        return self.pinned_batches(host_batches) if self.device is None else self.device_batches(host_batches)
 
     def device_batches(self, host_batches: Iterable[SlotBatch | dict[str, torch.Tensor]]
                        ) -> Iterator[dict[str, torch.Tensor]]:

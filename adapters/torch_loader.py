@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
 from growcache.batching import ReaderShare, ReaderSpec, Skipped, growcache_frames
 from growcache.cache import Cache
+from growcache.device_release import remap_in_worker
 from growcache.epoch import Epoch, EpochOptions, Epochs, Group, node_name
 from growcache.errors import CorruptShardError, GrowcacheError
 from growcache.records import masked_crc32c
@@ -139,6 +141,7 @@ class _CacheStream(IterableDataset):
         self.channels = channels
         self.generation = generation
         self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader
+        self.remap = False  # forked workers map their (registered) slab afresh by name
 
     def _receive(self, worker: int, expected: int) -> _EpochMessage:
         deadline = time.monotonic() + _PLAN_TIMEOUT_S
@@ -164,7 +167,7 @@ class _CacheStream(IterableDataset):
             message, slab = self.local, None
         else:
             message = self._receive(info.id, generation)
-            slab = self.slabs[info.id]
+            slab = remap_in_worker(self.slabs[info.id]) if self.remap else self.slabs[info.id]
             slab.prefault()
             slab.start_generation(message.generation, message.held)
 
@@ -256,15 +259,45 @@ class GrowcacheLoader(DataLoader):
         last_epoch: the :class:`~growcache.epoch.Epoch` the latest ``iter()`` started.
     """
 
-    def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, user_pin_memory: bool, slots: int,
-                 **kwargs: Any) -> None:
+    def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, slots: int,
+                 delivery: CudaDelivery | None = None, **kwargs: Any) -> None:
         super().__init__(stream, batch_size=None, collate_fn=_to_transport, **kwargs)
         self.epochs = epochs
         self._stream = stream
         self._copy = copy
-        self._pin = user_pin_memory
+        self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
+        self._closed = False
         self.last_epoch: Epoch | None = None
+        if delivery is not None:
+            delivery.bind(self)
+
+    @property
+    def registered_bytes(self) -> int:
+        """Slab bytes page-locked for CUDA now (``device=`` or ``pin_memory=True``; else ``0``)."""
+        return self._delivery.registered_bytes if self._delivery is not None else 0
+
+    def close(self) -> None:
+        """Wait for every copy from a slab, unregister the slabs, stop the workers, end the
+        epoch and remove the slabs' names. Idempotent; garbage collection does the same."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._delivery is not None:
+            self._delivery.close()
+        if self._iterator is not None:  # persistent workers
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        for epoch in self.epochs.open_epochs():
+            epoch.end()
+        for slab in self._stream.slabs:
+            slab.unlink()
+
+    def __enter__(self) -> GrowcacheLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @property
     def epoch(self) -> int:
@@ -299,13 +332,18 @@ class GrowcacheLoader(DataLoader):
         context = self.multiprocessing_context
         method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
         layout = BatchLayout.from_schema(self._stream.spec.schema, self._stream.spec.batch_size)
-        self._stream.slabs[:] = [Slab(layout, self._slots, anonymous=(method == "fork"), index=i)
+        # Registered slabs keep their names: forked workers map them afresh (remap_in_worker).
+        anonymous = method == "fork" and self._delivery is None
+        self._stream.remap = method == "fork" and self._delivery is not None
+        self._stream.slabs[:] = [Slab(layout, self._slots, anonymous=anonymous, index=i)
                                  for i in range(self.num_workers)]
         for slab in self._stream.slabs:  # named ones: the memory lives on in every mapping
-            if method == "fork":
+            if method == "fork" and anonymous:
                 slab.unlink()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:  # type: ignore[override]
+        if self._closed:
+            raise RuntimeError("this growcache loader was closed: build a new one with make_torch_loader")
         epoch = self.epochs.start()
         self.last_epoch = epoch
         stream = self._stream
@@ -333,31 +371,36 @@ class GrowcacheLoader(DataLoader):
         return self._deliver(epoch, iterator)
 
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
-        stream = self._stream
         finished = False
+        batches = self._host_batches(iterator)
         try:
-            for item in iterator:
-                if isinstance(item, SlotHandle):
-                    arrays = stream.slabs[item.slab].open(item, copy=self._copy, copy_below=_COPY_BELOW)
-                    batch = {n: torch.from_numpy(a) for n, a in arrays.items()}
-                elif isinstance(item, dict):
-                    batch = item
-                elif isinstance(item, Skipped):
-                    self.epochs.note_skipped(item)
-                    continue
-                elif isinstance(item, _Failure):
-                    raise item.error
-                else:
-                    raise TypeError(f"unexpected item from a growcache worker: {type(item).__name__}")
-                if self._pin:
-                    batch = {n: t.pin_memory() for n, t in batch.items()}
-                yield batch
+            yield from batches if self._delivery is None else self._delivery.batches(batches)
             finished = True
         finally:
+            batches = None  # with its generators goes their reference to `iterator`
             if finished or not (self.persistent_workers and self.num_workers):
                 del iterator  # non-persistent workers shut down with their iterator
                 epoch.end()
             # Otherwise persistent workers read on until the next iter() resets them; it ends the epoch.
+
+    def _host_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        # CPU batches; or, for a delivery, slot batches left unopened (it opens them its way).
+        stream = self._stream
+        for item in iterator:
+            if isinstance(item, SlotHandle):
+                if self._delivery is not None:
+                    yield SlotBatch(stream.slabs[item.slab], item)
+                    continue
+                arrays = stream.slabs[item.slab].open(item, copy=self._copy, copy_below=_COPY_BELOW)
+                yield {n: torch.from_numpy(a) for n, a in arrays.items()}
+            elif isinstance(item, dict):
+                yield item
+            elif isinstance(item, Skipped):
+                self.epochs.note_skipped(item)
+            elif isinstance(item, _Failure):
+                raise item.error
+            else:
+                raise TypeError(f"unexpected item from a growcache worker: {type(item).__name__}")
 
 
 def make_torch_loader(
@@ -369,13 +412,14 @@ def make_torch_loader(
     seed: int = 0,
     drop_last: bool = False,
     pin_memory: bool = False,
+    device: Any = None,
     persistent_workers: bool | None = None,
     prefetch_factor: int = 2,
     even_batches: bool = True,
     verify: bool = True,
     on_corrupt: str = "raise",
     wait_for_shards: float = 0.0,
-    reader: str = "tfrecord",
+    reader: str = "growcache",
     copy: bool = False,
     multiprocessing_context: Any = None,
     split: str = "shared",
@@ -404,7 +448,17 @@ def make_torch_loader(
         seed: shard and record shuffle seed; the first rank's is used on every rank.
             Default: ``0``.
         drop_last: drop each reader's last partial batch. Default: ``False``.
-        pin_memory: copy every batch to pinned memory (for GPU training). Default: ``False``.
+        pin_memory: page-locked batches for your own ``.to(device, non_blocking=True)``:
+            features above 256 KiB per batch are zero-copy views of a slab registered with
+            CUDA, smaller ones are copied into pinned memory. A slot is reused only after
+            you dropped the batch and an event on the current stream recorded at a later
+            request has completed, so copies you enqueue on that stream before dropping a
+            batch are safe. Without CUDA it warns and is ignored. Default: ``False``.
+        device: ``"cuda"``, ``"cuda:N"`` or a ``torch.device``: batches arrive on that GPU,
+            copied by DMA from registered slabs on a side stream, one batch ahead, and
+            ordered on your current stream. ``"cuda"`` is the current device at each epoch's
+            start (each rank's under DDP). ``None`` or ``"cpu"``: CPU batches. With a device,
+            ``pin_memory`` and ``copy`` have no effect. Default: ``None``.
         persistent_workers: keep workers between epochs. Default: ``num_workers > 0``.
         prefetch_factor: batches in flight per worker. Default: ``2``.
         even_batches: every rank yields the same number of batches (top up, or drop with
@@ -415,8 +469,12 @@ def make_torch_loader(
             ``loader.skipped``. Default: ``"raise"``.
         wait_for_shards: seconds an epoch waits for a first shard before raising
             :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
-        reader: ``"tfrecord"`` (the package's reader for framing) or ``"growcache"``
-            (the core's buffered reader). Default: ``"tfrecord"``.
+        reader: ``"growcache"``: the core's vectorized reader
+            (:class:`~growcache.vector_reader.VectorReader`), which reads shards of one
+            fixed record layout (any schema without ``int64_list`` features) a piece at a
+            time, and other shards record by record. ``"tfrecord"``: the ``tfrecord``
+            package frames every record, one at a time; growcache checks the CRCs.
+            Default: ``"growcache"``.
         copy: copy each batch out of shared memory instead of zero-copy views (frees the
             slot at once; costs a memcpy in the training process). Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.
@@ -430,6 +488,7 @@ def make_torch_loader(
 
     Raises:
         SchemaError: the cache has no schema.
+        DeviceError: ``device`` names CUDA, or a CUDA device, that this process cannot use.
         TypeError: a ``DataLoader`` argument the loader sets itself (``shuffle``,
             ``sampler``, ``collate_fn``...), with what to use instead.
         ValueError: a bad argument.
@@ -451,11 +510,14 @@ def make_torch_loader(
                     holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
-    if pin_memory and not torch.cuda.is_available():
+    target = resolve_device(device)
+    if pin_memory and target is None and not torch.cuda.is_available():
         # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
         warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
                       stacklevel=2)
         pin_memory = False
+    delivery = CudaDelivery(target, pin=target is None, copy=copy, copy_below=_COPY_BELOW) \
+        if target is not None or pin_memory else None
     context = multiprocessing_context
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)
@@ -464,9 +526,9 @@ def make_torch_loader(
                           mp.Value("q", 0, lock=False))
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
-        epochs, stream, copy=copy, user_pin_memory=pin_memory,
+        epochs, stream, copy=copy, delivery=delivery,
         # In flight to the trainer, one held by it, and one shuffle window being filled.
-        slots=prefetch_factor + 1 + epochs.reader.window_batches,
+        slots=prefetch_factor + 1 + epochs.reader.window_batches + (EXTRA_SLOTS if delivery else 0),
         num_workers=num_workers, persistent_workers=persistent_workers,
         multiprocessing_context=context, **extra,
     )
