@@ -38,6 +38,7 @@ from tensorflow.python.framework import ops
 from growcache.cache import Cache
 from growcache.epoch import EpochOptions, Epochs
 from growcache.errors import EmptyCacheError, GrowcacheError, SchemaError, SchemaMismatchError
+from growcache.example import tf_parse_plan
 from growcache.schema import Schema
 
 __all__ = ["make_tf_dataset"]
@@ -222,18 +223,32 @@ def _resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None) -
 
 
 def _batch_parser(schema: Schema, label: str | None, rows: int = -1):
-    """The batched ``parse_example`` + ``decode_raw`` + ``reshape`` map function."""
-    spec = {name: tf.io.FixedLenFeature([], tf.string) for name in schema}
+    """The batched ``parse_example`` map function, then per feature what its encoding needs
+    (``tf_parse_plan``): ``decode_raw`` + ``reshape``, ``parse_tensor``, or a range-checked cast."""
+    plan = tf_parse_plan(schema)
+    spec = {name: tf.io.FixedLenFeature(p.parse_shape, tf.as_dtype(p.parse_dtype)) for name, p in plan.items()}
 
     def parse(serialized: tf.Tensor):
         raw = tf.io.parse_example(serialized, spec)
         out = {}
-        for name, feature in schema.items():
-            dtype = tf.as_dtype(feature.dtype.name)
-            values = tf.io.decode_raw(raw[name], _RAW_AS.get(dtype, dtype), little_endian=True)
-            if dtype in _RAW_AS:
-                values = tf.bitcast(values, dtype)
-            out[name] = tf.reshape(values, [rows, *feature.shape])
+        for name, p in plan.items():
+            dtype, values = tf.as_dtype(p.dtype), raw[name]
+            if p.then == "decode_raw":
+                values = tf.io.decode_raw(values, _RAW_AS.get(dtype, dtype), little_endian=True)
+                if dtype in _RAW_AS:
+                    values = tf.bitcast(values, dtype)
+            elif p.then == "parse_tensor":  # its dtype is checked by parse_tensor, its shape here
+                values = tf.map_fn(lambda v, d=dtype, s=p.shape: tf.ensure_shape(tf.io.parse_tensor(v, d), s), values,
+                                   fn_output_signature=tf.TensorSpec(p.shape, dtype))
+            elif p.then == "cast":  # an int64_list into a narrower dtype: never wrapped
+                low, high = p.value_range
+                check = tf.debugging.Assert(
+                    tf.reduce_all((values >= low) & (values <= high)),
+                    [f"growcache: feature {name!r} holds int64_list values out of range for dtype {p.dtype} "
+                     f"[{low}, {high}]; use a wider dtype in the schema. Values:", values], summarize=8)
+                with tf.control_dependencies([check]):
+                    values = tf.cast(values, dtype)
+            out[name] = tf.reshape(values, [rows, *p.shape])
         if label is None:
             return out
         target = out.pop(label)

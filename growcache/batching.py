@@ -3,9 +3,11 @@
 A reader follows its :class:`~growcache.planning.EpochPlan` share: it walks its shards,
 frames records (with any framing function: growcache's own :func:`iter_records` or an
 adapter's), and copies each record's payloads into the rows of a preallocated batch.
-Records growcache wrote share one fixed layout (:attr:`ExampleCodec.layout`), so a
-payload is a slice at a known offset; other records (TensorFlow's writer orders map
-entries its own way) go through :meth:`ExampleCodec.payload_views`.
+The codec's :class:`~growcache.example.BatchDecoder` does the per-record work: a record
+of a layout seen before (every record growcache wrote for a schema shares one) is checked
+by its structure bytes and its payloads sliced at known offsets; a new layout (other
+writers order map entries their own way) is parsed once. ``int64_list`` payloads are
+decoded a batch at a time, when the batch is complete.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import CorruptShardError
-from .example import ExampleCodec
+from .example import BatchDecoder, ExampleCodec
 from .records import count_checked, iter_records
 from .schema import Schema
 
@@ -176,6 +178,7 @@ class BatchReader:
             raise ValueError(f"shuffle_buffer must be an int >= 0 (records), got {shuffle_buffer!r}")
         self.schema = schema
         self.codec = ExampleCodec(schema)
+        self.decoder = BatchDecoder(self.codec)
         self.batch_size = int(batch_size)
         self.frames = frames
         self.verify = verify
@@ -208,8 +211,7 @@ class BatchReader:
         reuses memory; that is the allocator's contract with its consumer.
         """
         batch_size = self.batch_size
-        layout = self.codec.layout
-        names = [name for name, _, _ in layout]
+        put = self.decoder.put
         quota = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         remaining = quota
         passes_without_records = 0
@@ -227,18 +229,10 @@ class BatchReader:
             entry = window[number]
             if entry is None:  # allocated when its first record lands
                 key, arrays = allocate(batch_size)
-                # Flat byte rows per feature: one memcpy per payload, no dtype work.
-                entry = window[number] = (key, arrays, [arrays[n].reshape(batch_size, -1).view(np.uint8) for n in names])
+                # Flat byte rows per feature: one memcpy per payload, no dtype work (int64_list
+                # payloads go to staging rows, decoded a batch at a time by finish()).
+                entry = window[number] = (key, arrays, self.decoder.rows(arrays))
             return entry[2]
-
-        def put(record: memoryview, rows: list[np.ndarray], row: int) -> None:
-            if self.codec.has_layout(record):
-                for dst, (_, offset, nbytes) in zip(rows, layout):
-                    dst[row] = np.frombuffer(record, np.uint8, nbytes, offset)
-            else:
-                views = self.codec.payload_views(record)
-                for dst, name in zip(rows, names):
-                    dst[row] = np.frombuffer(views[name], np.uint8)
 
         def close_window(filled: int) -> Iterator[tuple[object, dict[str, np.ndarray], int]]:
             if filled < window_rows and targets is not sequential:
@@ -257,6 +251,7 @@ class BatchReader:
                     continue
                 rows = min(batch_size, filled - number * batch_size)
                 if rows == batch_size or (rows > 0 and not self.drop_last):
+                    self.decoder.finish(entry[1], entry[2], rows)
                     yield entry[0], entry[1], rows
                 elif release is not None:
                     release(entry[0])  # allocated, then emptied by the compaction or drop_last
