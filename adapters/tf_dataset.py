@@ -176,7 +176,7 @@ def make_tf_dataset(
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=deterministic,
         )
-        if pipeline.tops_up:
+        if world[1] > 1:
             # Equal batch counts (the core's quota and top up): a long pipeline stops at its
             # quota, a short one re-reads its own shards. The quota counts checked records, so
             # a pipeline that skips a corrupt shard tops up too. A lone pipeline reads
@@ -269,10 +269,6 @@ class _Pipeline:
         # iterators may exist that track() never saw.
         self.derived = False
         self.errors: list[GrowcacheError] = []  # raised inside TensorFlow, to re-raise as themselves
-
-    @property
-    def tops_up(self) -> bool:
-        return self.epochs.tops_up
 
     # -- in-graph hooks ---------------------------------------------------------------------
     def start_epoch_op(self, _unused: tf.Tensor) -> tuple[tf.Tensor, ...]:

@@ -213,6 +213,7 @@ class EpochOptions:
 
 _ORDINALS: dict[tuple, int] = {}
 _MEMBERS: dict[tuple, set[int]] = {}
+_MODES: dict[tuple, str] = {}
 _ORDINALS_LOCK = threading.Lock()
 
 
@@ -330,7 +331,12 @@ class Epochs:
             return group, None
         key = (run_id(self.options.run_id), group.name, group.first_world_rank, self._ordinal, group.size)
         members = range(group.first_world_rank, group.first_world_rank + group.size)
-        if self._world is not None and all(r in local for r in members):
+        with _ORDINALS_LOCK:
+            # The first rank of this process to start decides for all of them: ranks built
+            # later (after an epoch already ran) must meet it the same way.
+            mode = _MODES.setdefault((*self._pairing, self._ordinal, group.name),
+                                     "local" if all(r in local for r in members) else "file")
+        if mode == "local":
             return group, LocalRendezvous((self.cache.path, *key), group.size)
         return group, FileRendezvous(self.cache.path, key, group.rank, group.size,
                                      wait_for_shards=self.options.wait_for_shards,

@@ -1,0 +1,119 @@
+"""The growth scenario shared by the PyTorch (gloo ranks) and TensorFlow (input pipelines) tests.
+
+A ``SamplerPool`` publishes small shards into a cache that holds at most 16 of them, many
+shards per epoch, while several ranks train for 20 epochs. At its first batch of every epoch,
+each rank records the shards its own lease holds (read from the cache's ``leases/``, the
+documented layout) and the ids those shards contain; at the end, the ids it was given.
+:func:`check` then asserts what issue 13 asks, using nothing but public behaviour:
+
+* every rank of a group leased the same shard set;
+* every record of that set was delivered, no record by two ranks (a rank's top up repeats
+  records of its own shards only);
+* every rank yielded the same number of batches, and none failed (no ``EmptyCacheError``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from growcache import Schema
+from growcache.example import ExampleCodec
+from growcache.records import iter_records
+
+SCHEMA = Schema({"id": ("int64", ()), "x": ("float32", (2,))})
+EPOCHS = 20
+BATCH = 8
+SHARD_SIZE = 1500  # bytes: about 20 records
+MAX_SHARDS = 16
+
+
+def sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A record with a random 62-bit id (unique in practice), made slowly enough to leave CPU to the ranks."""
+    time.sleep(0.002)
+    return {"id": np.int64(rng.integers(2**62)), "x": rng.random(2, dtype=np.float32)}
+
+
+def capacity() -> int:
+    """Bytes of the cache's budget: 16 shards."""
+    return MAX_SHARDS * SHARD_SIZE
+
+
+def own_lease(cache_path: str) -> list[int]:
+    """The shards the newest lease of this process holds."""
+    leases = []
+    for path in glob.glob(os.path.join(cache_path, "leases", "*.json")):
+        try:
+            with open(path) as f:
+                lease = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if lease.get("pid") == os.getpid():
+            leases.append((lease["created"], lease["seqs"]))
+    assert leases, "no lease of this process while its epoch runs"
+    return sorted(leases)[-1][1]
+
+
+def ids_of(cache_path: str, seqs: list[int]) -> list[int]:
+    """Every record id in the shards ``seqs`` (leased, so they exist)."""
+    codec = ExampleCodec(SCHEMA)
+    wanted = set(seqs)
+    ids = []
+    for path in sorted(glob.glob(os.path.join(cache_path, "shards", "*.tfrecord"))):
+        if int(os.path.basename(path).split("-")[0]) in wanted:
+            for _, record in iter_records(path):
+                ids.append(int(np.frombuffer(codec.payload_views(record)["id"], np.int64)[0]))
+    return ids
+
+
+class Recorder:
+    """What one rank saw, epoch by epoch."""
+
+    def __init__(self, cache_path: str) -> None:
+        self.cache_path = cache_path
+        self.epochs: list[dict[str, Any]] = []
+
+    def epoch(self, batches: Any) -> None:
+        """Consume one epoch's batches of ids (numpy arrays), observing the lease at the first."""
+        entry: dict[str, Any] = {"delivered": [], "batches": 0}
+        for ids in batches:
+            if entry["batches"] == 0:
+                entry["leased"] = own_lease(self.cache_path)
+                entry["shard_ids"] = ids_of(self.cache_path, entry["leased"])
+            entry["delivered"] += [int(i) for i in ids]
+            entry["batches"] += 1
+        self.epochs.append(entry)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.epochs, f)
+
+
+def check(ranks: list[list[dict[str, Any]]], groups: list[list[int]]) -> None:
+    """Assert the scenario's promises over every rank's record (``groups``: ranks sharing a cache)."""
+    assert all(len(r) == EPOCHS for r in ranks), [len(r) for r in ranks]
+    grew = 0
+    for epoch in range(EPOCHS):
+        runs = [r[epoch] for r in ranks]
+        assert len({run["batches"] for run in runs}) == 1 and runs[0]["batches"] > 0, \
+            f"epoch {epoch}: batch counts {[run['batches'] for run in runs]}"
+        for group in groups:
+            leased = [runs[r]["leased"] for r in group]
+            assert len(leased[0]) <= MAX_SHARDS, f"epoch {epoch}: {len(leased[0])} shards in a cache meant to hold 16"
+            assert all(seqs == leased[0] for seqs in leased), f"epoch {epoch}: ranks {group} leased {leased}"
+            records = set(runs[group[0]]["shard_ids"])
+            delivered = [set(runs[r]["delivered"]) for r in group]
+            assert set().union(*delivered) == records, (
+                f"epoch {epoch}: {len(records - set().union(*delivered))} records of the leased shards not delivered, "
+                f"{len(set().union(*delivered) - records)} delivered from outside them")
+            for i, a in enumerate(group):
+                for b in group[i + 1:]:
+                    assert not delivered[i] & delivered[group.index(b)], f"epoch {epoch}: ranks {a}, {b} overlap"
+        if epoch:
+            grew += len(set(ranks[0][epoch]["leased"]) - set(ranks[0][epoch - 1]["leased"]))
+    assert grew >= 2 * EPOCHS, f"only {grew} new shards reached {EPOCHS} epochs: the scenario did not grow"
