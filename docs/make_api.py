@@ -51,6 +51,28 @@ def _public_names() -> tuple[list[str], dict[str, str]]:
     return names, origin
 
 
+# Modules whose own __all__ is documented whole, beside the names of ``growcache``.
+MODULES = [
+    ("Sources", "growcache.sources",
+     "Where a `SamplerPool` gets its samples, over any fsspec store. Import these from `growcache.sources`."),
+]
+
+
+def _module_names(module: str) -> tuple[list[str], dict[str, str]]:
+    """``__all__`` of a growcache module and the module each name is defined in."""
+    tree = ast.parse(_module_file(module).read_text())
+    names: list[str] = []
+    origin: dict[str, str] = {}
+    package = module.rsplit(".", 1)[0]
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            names = [ast.literal_eval(e) for e in node.value.elts]
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            for alias in node.names:
+                origin[alias.asname or alias.name] = f"{package}.{node.module}"
+    return names, {n: origin.get(n, module) for n in names}
+
+
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, skip_self: bool) -> str:
     args = ast.unparse(node.args).replace("mode: int=448", "mode: int=0o700")
     if skip_self:
@@ -112,6 +134,10 @@ def render() -> str:
     rest = [n for n in names if n not in placed]
     if rest:
         lines += ["## Other", ""] + [_render(n, origin.get(n, "growcache")) for n in rest]
+    for title, module, intro in MODULES:
+        members, where = _module_names(module)
+        lines += [f"## {title} (`{module}`)", "", intro, ""]
+        lines += [_render(name, where[name]) for name in members]
     return "\n".join(lines).rstrip() + "\n"
 
 
