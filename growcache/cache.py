@@ -126,7 +126,9 @@ class Cache:
 
     Raises:
         SchemaMismatchError: ``schema`` differs from the stored one.
-        CacheFormatError: the directory holds metadata of a newer format, or damaged metadata.
+        CacheFormatError: the directory holds metadata of a newer format, or a damaged value
+            (naming the file, the field and the fix), or its ``shards/`` or ``leases/`` is a
+            symbolic link or not a directory.
         NotADirectoryError: ``path`` is a file.
     """
 

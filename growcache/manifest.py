@@ -491,13 +491,6 @@ def _is_regular(entry: os.DirEntry) -> bool:
         return False
 
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
-
-
 def _unlink_quiet(path: str) -> bool:
     try:
         os.unlink(path)
