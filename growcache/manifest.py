@@ -468,6 +468,8 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
         problem = "its seqs are not a list of positive integers"
     elif not isinstance(lease.get("holder", ""), str):
         problem = f"its holder is {lease['holder']!r}, not a string"
+    elif not isinstance(lease.get("created", 0), (int, float)) or isinstance(lease.get("created"), bool):
+        problem = f"its created is {lease['created']!r}, not a time"
     else:
         return
     raise CacheFormatError(f"lease {path} is damaged: {problem}")

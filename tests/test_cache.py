@@ -272,7 +272,10 @@ def test_lease_of_a_dead_process_expires(tmp_path):
     {"pid": 0, "start_time": None, "seqs": [1]},
     {"pid": os.getpid(), "start_time": "x", "seqs": [1]},
     {"pid": os.getpid(), "start_time": None, "seqs": "1"},
-], ids=["no-pid", "null-pid", "pid-0", "bad-start", "bad-seqs"])
+    {"pid": os.getpid(), "start_time": None, "seqs": [0]},
+    {"pid": os.getpid(), "start_time": None, "seqs": [1], "holder": 7},
+    {"pid": os.getpid(), "start_time": None, "seqs": [1], "created": "today"},
+], ids=["no-pid", "null-pid", "pid-0", "bad-start", "bad-seqs", "seq-0", "bad-holder", "bad-created"])
 def test_a_damaged_lease_expires_instead_of_pinning_or_blocking(tmp_path, lease, caplog):
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
