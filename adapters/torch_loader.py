@@ -419,7 +419,7 @@ def make_torch_loader(
     verify: bool = True,
     on_corrupt: str = "raise",
     wait_for_shards: float = 0.0,
-    reader: str = "tfrecord",
+    reader: str = "growcache",
     copy: bool = False,
     multiprocessing_context: Any = None,
     split: str = "shared",
@@ -469,8 +469,12 @@ def make_torch_loader(
             ``loader.skipped``. Default: ``"raise"``.
         wait_for_shards: seconds an epoch waits for a first shard before raising
             :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
-        reader: ``"tfrecord"`` (the package's reader for framing) or ``"growcache"``
-            (the core's buffered reader). Default: ``"tfrecord"``.
+        reader: ``"growcache"``: the core's vectorized reader
+            (:class:`~growcache.vector_reader.VectorReader`), which reads shards of one
+            fixed record layout (any schema without ``int64_list`` features) a piece at a
+            time, and other shards record by record. ``"tfrecord"``: the ``tfrecord``
+            package frames every record, one at a time; growcache checks the CRCs.
+            Default: ``"growcache"``.
         copy: copy each batch out of shared memory instead of zero-copy views (frees the
             slot at once; costs a memcpy in the training process). Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.

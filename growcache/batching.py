@@ -131,9 +131,15 @@ class ReaderSpec:
     shuffle_buffer: int = 0
 
     def build(self, frames: Frames | None = None) -> BatchReader:
-        """The reader, framing records with ``frames`` (default: :func:`growcache_frames`)."""
-        return BatchReader(self.schema, self.batch_size, frames=frames or growcache_frames, verify=self.verify,
-                           on_corrupt=self.on_corrupt, drop_last=self.drop_last, shuffle_buffer=self.shuffle_buffer)
+        """The reader. With growcache's framing (the default) it is the vectorized
+        :class:`~growcache.vector_reader.VectorReader`, which reads fixed-layout shards a piece
+        at a time and everything else record by record; another framing function ``frames``
+        gets the record-by-record reader."""
+        from .vector_reader import VectorReader  # it builds on this module
+
+        kind = VectorReader if frames is None or frames is growcache_frames else BatchReader
+        return kind(self.schema, self.batch_size, frames=frames or growcache_frames, verify=self.verify,
+                    on_corrupt=self.on_corrupt, drop_last=self.drop_last, shuffle_buffer=self.shuffle_buffer)
 
     @property
     def window_batches(self) -> int:

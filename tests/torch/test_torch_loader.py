@@ -189,11 +189,11 @@ def test_shard_lists_reach_workers_as_arrays(id_cache, tmp_path, monkeypatch):
     # workers inherit this patch (the context is forced to fork so that they do).
     import json
 
-    from growcache.batching import BatchReader
+    from growcache.vector_reader import VectorReader  # the loader's default reader
 
     write_shards(id_cache, [3, 3, 3, 3])
     received = tmp_path / "received.jsonl"
-    original = BatchReader.batches
+    original = VectorReader.batches
     trainer = os.getpid()
 
     def recording(self, share, *args, **kwargs):
@@ -206,7 +206,7 @@ def test_shard_lists_reach_workers_as_arrays(id_cache, tmp_path, monkeypatch):
             f.write(line + "\n")
         return original(self, share, *args, **kwargs)
 
-    monkeypatch.setattr(BatchReader, "batches", recording)
+    monkeypatch.setattr(VectorReader, "batches", recording)
     loader = make_torch_loader(id_cache, 2, num_workers=2, multiprocessing_context="fork")
     assert sorted(_epoch(loader)) == list(range(12))
     shares = [json.loads(line) for line in received.read_text().splitlines()]
@@ -224,7 +224,7 @@ def parsing_forbidden_in_parent(monkeypatch):
     from tfrecord import example_pb2
     from tfrecord import reader as tf_reader
 
-    from growcache import batching, example, records
+    from growcache import batching, example, records, vector_reader
 
     parent = os.getpid()
 
@@ -238,7 +238,7 @@ def parsing_forbidden_in_parent(monkeypatch):
     for owner, name in [(example.ExampleCodec, "payload_views"), (example.ExampleCodec, "decode"),
                         (example.ExampleCodec, "has_layout"), (records, "iter_records"),
                         (batching, "iter_records"), (tf_reader, "tfrecord_iterator"),
-                        (batching.BatchReader, "batches")]:
+                        (batching.BatchReader, "batches"), (vector_reader.VectorReader, "batches")]:
         monkeypatch.setattr(owner, name, forbid(getattr(owner, name)))
     monkeypatch.setattr(example_pb2.Example, "FromString", forbid(example_pb2.Example.FromString))
 
