@@ -23,6 +23,7 @@ Framework adapters may bring their own (the PyTorch adapter agrees through
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -58,6 +59,7 @@ EPOCHS_DIR = "epochs"
 _POLL_S = 0.02
 _EPOCH_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.json$")
 _ACK_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.ack-(\d+)$")
+_EXIT_WAIT_S = 60.0
 _TEMP_MAX_AGE_S = 3600.0  # epoch files are written without the cache lock: only old temporaries are surely dead
 
 
@@ -144,7 +146,24 @@ class _Keeper:
             if self._pid != os.getpid():  # first use, or a forked child (threads do not survive fork)
                 self._pid = os.getpid()
                 threading.Thread(target=self._run, name="growcache-lease-keeper", daemon=True).start()
+                atexit.register(self.drain)
             self._wake.notify()
+
+    def drain(self, limit: float = _EXIT_WAIT_S) -> None:
+        """At exit: wait (at most ``limit`` seconds) for the ranks a held lease waits for.
+
+        A first rank that exits first would otherwise end its lease (a dead process's lease
+        expires) while another rank has yet to lease the same shards.
+        """
+        end = time.monotonic() + limit
+        with self._lock:
+            waiting = bool(self._held) and self._pid == os.getpid()
+        if waiting:
+            logger.info("waiting up to %.0f s for the other ranks to lease the last epochs before exiting", limit)
+        while waiting and time.monotonic() < end:
+            time.sleep(_POLL_S)
+            with self._lock:
+                waiting = bool(self._held)
 
     def _run(self) -> None:
         while True:
@@ -154,17 +173,17 @@ class _Keeper:
                 held = list(self._held)
             now = time.monotonic()
             due = [h for h in held if now >= h[2] or _safe(h[0])]
-            if due:
-                with self._lock:
-                    self._held = [h for h in self._held if h not in due]
-                for ready, close, deadline in due:
-                    if now >= deadline and not _safe(ready):
-                        logger.warning("not every rank of the group leased its epoch within %.0f s; the first rank's "
-                                       "lease ends anyway", AGREE_TIMEOUT_S)
-                    try:
-                        close()
-                    except Exception:  # noqa: BLE001 - one failed release must not stop the others
-                        logger.exception("ending a held epoch lease failed")
+            for held_lease in due:
+                ready, close, deadline = held_lease
+                if now >= deadline and not _safe(ready):
+                    logger.warning("not every rank of the group leased its epoch within %.0f s; the first rank's "
+                                   "lease ends anyway", AGREE_TIMEOUT_S)
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - one failed release must not stop the others
+                    logger.exception("ending a held epoch lease failed")
+                with self._lock:  # only now: drain() must not let the process exit mid-close
+                    self._held.remove(held_lease)
             time.sleep(_POLL_S)
 
 

@@ -44,8 +44,8 @@ def capacity() -> int:
     return MAX_SHARDS * SHARD_SIZE
 
 
-def own_lease(cache_path: str) -> list[int]:
-    """The shards the newest lease of this process holds."""
+def own_lease(cache_path: str, holder: str | None = None) -> list[int]:
+    """The shards the newest lease of this process (and ``holder``, if given) holds."""
     leases = []
     for path in glob.glob(os.path.join(cache_path, "leases", "*.json")):
         try:
@@ -53,7 +53,7 @@ def own_lease(cache_path: str) -> list[int]:
                 lease = json.load(f)
         except (OSError, ValueError):
             continue
-        if lease.get("pid") == os.getpid():
+        if lease.get("pid") == os.getpid() and (holder is None or lease.get("holder") == holder):
             leases.append((lease["created"], lease["seqs"]))
     assert leases, "no lease of this process while its epoch runs"
     return sorted(leases)[-1][1]
@@ -74,8 +74,9 @@ def ids_of(cache_path: str, seqs: list[int]) -> list[int]:
 class Recorder:
     """What one rank saw, epoch by epoch."""
 
-    def __init__(self, cache_path: str) -> None:
+    def __init__(self, cache_path: str, holder: str | None = None) -> None:
         self.cache_path = cache_path
+        self.holder = holder
         self.epochs: list[dict[str, Any]] = []
 
     def epoch(self, batches: Any) -> None:
@@ -83,7 +84,7 @@ class Recorder:
         entry: dict[str, Any] = {"delivered": [], "batches": 0}
         for ids in batches:
             if entry["batches"] == 0:
-                entry["leased"] = own_lease(self.cache_path)
+                entry["leased"] = own_lease(self.cache_path, self.holder)
                 entry["shard_ids"] = ids_of(self.cache_path, entry["leased"])
             entry["delivered"] += [int(i) for i in ids]
             entry["batches"] += 1
@@ -92,6 +93,15 @@ class Recorder:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.epochs, f)
+
+
+def barrier(directory: str, name: str, rank: int, world: int, timeout: float = 120.0) -> None:
+    """Wait until every rank reached ``name`` (training ranks move in step through their all-reduces)."""
+    open(os.path.join(directory, f"{name}.{rank}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(directory, f"{name}.{r}")) for r in range(world)):
+        assert time.monotonic() < deadline, f"barrier {name}: a rank never arrived"
+        time.sleep(0.01)
 
 
 def check(ranks: list[list[dict[str, Any]]], groups: list[list[int]]) -> None:
