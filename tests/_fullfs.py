@@ -22,6 +22,7 @@ Under ``CI=true`` a test that gets none fails, naming what to enable, instead of
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -82,17 +83,9 @@ def _tmpfs_options(size: int, inodes: int | None, owned: bool = True) -> str:
     return f"size={size},mode=0700{owner}" + (f",nr_inodes={inodes}" if inodes else "")
 
 
-def _tmpfs(path: str, size: int, inodes: int | None) -> tuple[str, Callable[[], None]]:
-    if os.geteuid() != 0:
-        raise _Unavailable("not root")
-    prefix = _privileged()
-    _run([*prefix, "mount", "-t", "tmpfs", "-o", _tmpfs_options(size, inodes), "tmpfs", path])
-    return path, _unmounter(prefix, path)
-
-
-def _sudo_tmpfs(path: str, size: int, inodes: int | None) -> tuple[str, Callable[[], None]]:
-    if os.geteuid() == 0:
-        raise _Unavailable("root mounts without sudo")
+def _tmpfs(path: str, size: int, inodes: int | None, *, as_root: bool) -> tuple[str, Callable[[], None]]:
+    if (os.geteuid() == 0) != as_root:
+        raise _Unavailable("not root" if as_root else "root mounts without sudo")
     prefix = _privileged()
     _run([*prefix, "mount", "-t", "tmpfs", "-o", _tmpfs_options(size, inodes), "tmpfs", path])
     return path, _unmounter(prefix, path)
@@ -151,7 +144,8 @@ def _userns_tmpfs(path: str, size: int, inodes: int | None) -> tuple[str, Callab
     return f"/proc/{holder.pid}/root{path}", cleanup
 
 
-_MAKERS = {"tmpfs": _tmpfs, "sudo-tmpfs": _sudo_tmpfs, "loop-image": _loop_image, "userns-tmpfs": _userns_tmpfs}
+_MAKERS = {"tmpfs": functools.partial(_tmpfs, as_root=True), "sudo-tmpfs": functools.partial(_tmpfs, as_root=False),
+           "loop-image": _loop_image, "userns-tmpfs": _userns_tmpfs}
 
 
 def _methods() -> list[str]:

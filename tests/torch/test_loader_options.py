@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ pytest.importorskip("tfrecord")
 import growcache  # noqa: E402
 from growcache import Cache, Schema  # noqa: E402
 from conftest import write_shards  # noqa: E402
+from stores import free_port  # noqa: E402
 
 make_torch_loader = growcache.make_torch_loader
 
@@ -117,12 +117,6 @@ DDP_SHARDS = [2, 2, 30, 2, 2, 2]
 DDP_CASES = {"even": {}, "uneven": {"even_batches": False}, "even_drop": {"drop_last": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -147,7 +141,7 @@ def test_ddp_with_two_workers_per_rank_even_and_uneven_batches(id_cache, tmp_pat
     import torch.multiprocessing as mp
 
     written = write_shards(id_cache, DDP_SHARDS)
-    mp.spawn(_ddp_rank, args=(2, id_cache.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_rank, args=(2, id_cache.path, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     def ids(rank: int, case: str) -> list[int]:
