@@ -114,8 +114,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("temporaries", f"{s.temporaries} shards being written"),
         *((("irregular", f"{path}: not a regular file, ignored by readers and eviction; remove it by hand")
            for path in getattr(s, "irregular", ()))),
-        *((("irregular", f"{path}: not a regular file, ignored by readers and eviction; remove it by hand")
-           for path in getattr(s, "irregular", ()))),
         ("oldest", _time(s.oldest_publish_time)),
         ("newest", _time(s.newest_publish_time)),
         *((("source", f"{p.source}: pass {p.pass_number}, {p.fetched} of {p.total} shards fetched "
@@ -152,13 +150,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"FOREIGN {path}: not a growcache shard; it is ignored by readers and can be deleted")
     for path in getattr(report, "irregular", ()):
         print(f"IRREGULAR {path}: not a regular file; it is ignored by readers and eviction and can be deleted")
-    for path in getattr(report, "irregular", ()):
-        print(f"IRREGULAR {path}: not a regular file; it is ignored by readers and eviction and can be deleted")
     for path in report.removed:
         print(f"REMOVED {path}")
-    for path in getattr(report, "kept_leased", ()):
-        print(f"KEPT {path}: corrupt, but a live lease holds it (an epoch is reading it); run verify "
-              "--remove-corrupt again once that epoch ends")
     for path in getattr(report, "kept_leased", ()):
         print(f"KEPT {path}: corrupt, but a live lease holds it (an epoch is reading it); run verify "
               "--remove-corrupt again once that epoch ends")
