@@ -9,6 +9,7 @@ GPU runner to turn those skips into failures).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -25,6 +26,7 @@ pytest.importorskip("tfrecord")
 import growcache  # noqa: E402
 from growcache import Cache, DeviceError  # noqa: E402
 from growcache.adapters import cuda as cuda_adapter  # noqa: E402
+from growcache.device_release import InFlight, ReleaseQueue, deliver  # noqa: E402
 from conftest import id_sample, write_shards  # noqa: E402
 
 make_torch_loader = growcache.make_torch_loader
@@ -136,6 +138,74 @@ def test_close_and_context_manager_without_a_device(id_cache):
     loader.close()  # idempotent
 
 
+class _LateEvent:
+    """Completes its copy only when asked a second time or waited for, as a DMA may run late."""
+
+    def __init__(self, copy) -> None:
+        self._copy, self._queries, self.done = copy, 0, False
+
+    def query(self) -> bool:
+        self._queries += 1
+        if self._queries >= 2:
+            self.synchronize()
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self._copy()
+            self.done = True
+
+
+class _HostDelivery:
+    """The loader's delivery interface with the host as the "device": real workers, named
+    slabs mapped afresh in forked workers, the real release protocol and lookahead, and copies
+    that read the slot only when their event completes (by address, as a DMA engine does)."""
+
+    registered_bytes = 0
+
+    def __init__(self) -> None:
+        self.release = ReleaseQueue()
+
+    def start(self, host) -> InFlight:
+        if isinstance(host, cuda_adapter.SlotBatch):
+            keep = host.slab.open(host.handle)
+            out = {k: torch.empty(v.shape, dtype=torch.from_numpy(v).dtype) for k, v in keep.items()}
+            moves = [(out[k].data_ptr(), v.ctypes.data, v.nbytes) for k, v in keep.items()]
+            return InFlight(out, _LateEvent(lambda: [ctypes.memmove(*m) for m in moves]), keep)
+        return InFlight({k: t.clone() for k, t in host.items()}, _LateEvent(lambda: None), None)
+
+    def hand_over(self, flight: InFlight):
+        flight.event.synchronize()
+        return flight.batch
+
+    def batches(self, host_batches):
+        return deliver(host_batches, self, self.release)
+
+    def close(self) -> None:
+        self.release.close()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_registered_slab_wiring_delivers_every_record_intact_without_a_gpu(id_cache, persistent):
+    written = write_shards(id_cache, [9, 14, 6, 11, 8])
+    loader = make_torch_loader(id_cache, 3, num_workers=2, prefetch_factor=1, persistent_workers=persistent,
+                               multiprocessing_context="fork")
+    loader._delivery = _HostDelivery()  # what device= installs, with the host standing in for the GPU
+    with loader:
+        for _ in range(2):
+            ids = []
+            for batch in loader:
+                np.testing.assert_array_equal(batch["x"].numpy(), _expected(batch["id"].tolist(), big=False))
+                ids += batch["id"].tolist()
+            assert sorted(ids) == written
+            assert loader._delivery.release.pending == 0
+        assert loader._stream.remap and all(slab.name is not None for slab in loader._stream.slabs)
+        if persistent:  # each worker maps its slab a second time, by name, besides the inherited mapping
+            for worker, slab in zip(loader._iterator._workers, loader._stream.slabs):
+                with open(f"/proc/{worker.pid}/maps") as maps:
+                    assert sum(slab.name in line for line in maps) == 2, f"worker {worker.pid} did not remap"
+
+
 # ------------------------------------------------------------------------- on a GPU
 @pytest.mark.parametrize("workers", [0, 2, 4])
 def test_exactly_once_on_the_device_with_the_data_checked_batch_by_batch(big_cache, cuda, workers):
@@ -213,11 +283,11 @@ def test_device_cuda_means_the_current_device_of_each_epoch(id_cache, cuda):
 
 def test_pin_memory_gives_pinned_zero_copy_views_safe_for_your_own_copies(big_cache, cuda):
     with make_torch_loader(big_cache, 2, num_workers=2, pin_memory=True) as loader:
-        slabs = [(s.slot_bytes(0).ctypes.data, s.slots * s.layout.slot_nbytes) for s in loader._stream.slabs]
         for _ in range(2):
             on_device = []
             for batch in loader:
                 assert batch["x"].is_pinned() and batch["id"].is_pinned()
+                slabs = [(s.slot_bytes(0).ctypes.data, s.slots * s.layout.slot_nbytes) for s in loader._stream.slabs]
                 address = batch["x"].data_ptr()
                 assert any(lo <= address < lo + n for lo, n in slabs), "x must be a view of its slot, not a copy"
                 torch.cuda._sleep(5_000_000)  # the copies below wait behind this on the current stream
