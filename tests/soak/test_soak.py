@@ -434,6 +434,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             os.killpg(dead.proc.pid, signal.SIGKILL)
             dead.proc.wait(30)
             left_by_kill = sorted(n for n in dead_shm if os.path.exists(f"/dev/shm/{n}"))
+            assert left_by_kill, "the kill took the resource tracker too: the slabs stay until growcache removes them"
             orphaned_semaphores = {n for n in shm_leaks(shm_before, set()) if n.startswith("sem.")}
             prefix, env, how = hostname_prefix("soak-restarted")
             if env:  # another process table: the dead trainer's files expire by heartbeat

@@ -31,7 +31,7 @@ def main(cache_path: str, control: str, out: str) -> None:
     def new_skips():
         skipped = ds.corrupt_shards[state["skips"]:]
         state["skips"] += len(skipped)
-        return [(e.path, e.offset, None) for e in skipped]  # a skipped shard is skipped whole
+        return [(e.path, e.offset, e.records) for e in skipped]  # records not delivered
 
     # A snapshot refused for a full disk reaches the loop as the generator's error.
     reader.run(epoch, new_skips, refused=(tf.errors.OpError,))
