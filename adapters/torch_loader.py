@@ -12,17 +12,15 @@ report, defaults) is the core's :class:`growcache.epoch.Epochs`; reading and bat
 * Workers read their share into a slot of their slab and yield a
   :class:`~growcache.transport.SlotHandle`; the training process turns it into tensors over
   the slab without a copy (``torch.from_numpy``).
-* Under ``torch.distributed``, ranks agree on each epoch through two ``all_gather_object``
-  calls (:class:`_CollectiveRendezvous`).
+* Under ``torch.distributed``, ranks agree on each epoch through ``all_gather_object``
+  (:class:`growcache.rendezvous.CollectiveRendezvous`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue as queue_module
-import struct
 import time
 import warnings
 from collections.abc import Iterator
@@ -38,16 +36,14 @@ from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolv
 from growcache.batching import ReaderShare, ReaderSpec, Skipped, growcache_frames
 from growcache.cache import Cache
 from growcache.device_release import remap_in_worker
-from growcache.epoch import Epoch, EpochOptions, Epochs, Group, node_name
-from growcache.errors import CorruptShardError, GrowcacheError
-from growcache.records import masked_crc32c
-from growcache.rendezvous import EpochShards
+from growcache.adapters.tfrecord_frames import tfrecord_frames
+from growcache.epoch import Epoch, EpochOptions, Epochs
+from growcache.errors import GrowcacheError
 from growcache.transport import BatchLayout, Slab, SlotHandle
 
 __all__ = ["make_torch_loader", "tfrecord_frames"]
 
 logger = logging.getLogger(__name__)
-_HEADER = struct.Struct("<QI")
 _PLAN_TIMEOUT_S = 300.0
 # Features of at most this many bytes per batch (labels, ids) are copied out of the slab:
 # users keep those (metrics, logging), and a kept view would pin a whole slot.
@@ -60,49 +56,6 @@ _REFUSED = {
     "collate_fn": "batches are formed in the workers from the cache's schema",
     "worker_init_fn": "workers are set up by the loader",
 }
-
-
-def tfrecord_frames(path: str, verify: bool) -> Iterator[tuple[int, memoryview]]:
-    """Frame records with the ``tfrecord`` package's reader; growcache checks the CRCs.
-
-    That reader never exposes the CRC bytes, so growcache reads them itself (``pread``
-    of the 12-byte header *before* the package reads a record, which also stops a
-    corrupt length from making it allocate a huge buffer; and of the 4-byte footer after).
-    """
-    from tfrecord.reader import tfrecord_iterator
-
-    fd = os.open(path, os.O_RDONLY)
-    records = tfrecord_iterator(path)
-    try:
-        size = os.fstat(fd).st_size
-        offset = 0
-        while offset < size:
-            header = os.pread(fd, 12, offset)
-            if len(header) < 12:
-                raise CorruptShardError(path, offset, f"truncated record header ({len(header)} of 12 bytes)")
-            length, length_crc = _HEADER.unpack(header)
-            if masked_crc32c(header[:8]) != length_crc:
-                raise CorruptShardError(path, offset, "length CRC32C mismatch (corrupt record header)")
-            if offset + length + 16 > size:
-                raise CorruptShardError(path, offset, f"truncated record: needs {length + 16} bytes, "
-                                                      f"file has {size - offset} left")
-            try:
-                data = next(records)
-            except (RuntimeError, StopIteration) as exc:
-                raise CorruptShardError(path, offset, f"tfrecord reader failed: {exc}") from None
-            if verify and masked_crc32c(data) != struct.unpack("<I", os.pread(fd, 4, offset + 12 + length))[0]:
-                raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
-            yield offset, data
-            offset += length + 16
-    finally:
-        # The package closes its file only when its generator runs to the end; one stopped
-        # early (a quota, an error) would leave it to the garbage collector, with a ResourceWarning.
-        frame = records.gi_frame
-        file = frame.f_locals.get("file") if frame is not None else None
-        records.close()
-        if file is not None:
-            file.close()
-        os.close(fd)
 
 
 _FRAMES = {"tfrecord": tfrecord_frames, "growcache": growcache_frames}
@@ -198,55 +151,14 @@ class _CacheStream(IterableDataset):
             yield _Failure(exc)
 
 
-class _CollectiveRendezvous:
-    """Ranks agree through ``torch.distributed``: one ``all_gather_object`` carries each group's
-    first rank's :class:`~growcache.rendezvous.EpochShards`, a second every rank's lease and
-    batch count (every rank of the world takes part in both, in every epoch)."""
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-
-    def share(self, epoch: int, take: Any) -> _CollectiveAgreement:
-        mine = take() if self.group.rank == 0 else None
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        shards: EpochShards = gathered[self.group.first_world_rank]
-        failed = next((s for s in gathered if s is not None and s.error), None)
-        if failed is not None and not shards.error:  # another group's: every rank stops together
-            shards = dataclasses.replace(shards, error=f"another group: {failed.error}", error_type=failed.error_type)
-        return _CollectiveAgreement(shards, self.group.rank == 0)
-
-
-@dataclass
-class _CollectiveAgreement:
-    shards: EpochShards
-    took: bool
-
-    def confirm(self, leased: bool, batches: int) -> list[Any]:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (leased, batches))
-        return gathered
-
-    def release(self, close: Any) -> None:
-        close()  # every rank leased before the confirmation returned
-
-
 def _world() -> tuple[int, int] | None:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
 
 
-def _nodes_of(cache: Cache) -> Any:
-    def nodes() -> list[str]:
-        # Ranks of one machine reading different caches are different groups, as their shards differ.
-        names: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, f"{node_name()} (cache {cache.path})")
-        return names
-
-    return nodes
-
-
-def _collective(group: Group) -> _CollectiveRendezvous | None:
-    return _CollectiveRendezvous(group) if _world() is not None else None
+def _all_gather(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 class GrowcacheLoader(DataLoader):
@@ -505,8 +417,7 @@ def make_torch_loader(
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    epochs = Epochs(cache, options, readers=max(num_workers, 1), world=_world,
-                    nodes=_nodes_of(cache) if split == "node" else None, rendezvous=_collective,
+    epochs = Epochs(cache, options, readers=max(num_workers, 1), world=_world, all_gather=_all_gather,
                     holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0

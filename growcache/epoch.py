@@ -46,7 +46,7 @@ from .errors import CorruptShardError, EmptyCacheError, EpochSyncError, Growcach
 from .planning import EpochPlan, plan_epoch, reader_seed
 from .records import check_records
 from .schema import Schema
-from .rendezvous import EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
+from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
 from .shard import ShardInfo
 from .snapshot import Snapshot
 
@@ -225,14 +225,14 @@ class Epochs:
         options: the shared epoch arguments.
         readers: readers per rank (DataLoader workers; ``1`` for a TensorFlow pipeline).
             Default: ``1``.
-        world: ``(rank, world size)``, or a function that returns it (or ``None``) at the first
-            epoch. Default: ``None``: from ``RANK``/``WORLD_SIZE``.
-        nodes: the machine of every world rank, for ``split="node"`` (an adapter with a
-            process group gathers them). Default: ``None``: this process's ranks form the
-            node, or ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` say which ranks do.
-        rendezvous: builds the rendezvous for a :class:`Group` of several ranks (an adapter's
-            collective one), or returns ``None``. Default: ``None``: ranks in this process agree
-            in memory, others through epoch files.
+        world: ``(rank, world size)``, or a function that returns it at the first epoch (a
+            process group's; ``None`` when there is none). Default: ``None``: from
+            ``RANK``/``WORLD_SIZE``, and ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for the node.
+        all_gather: with a ``world`` function, the process group's gather of one picklable
+            object from every rank: ranks then agree through it
+            (:class:`~growcache.rendezvous.CollectiveRendezvous`), and learn each other's
+            node. Default: ``None``: ranks in one process agree in memory, others through
+            epoch files; with ``split="node"`` the ranks of this process form the node.
         holder: lease label, shown by ``growcache status``. Default: ``""``.
         max_open: epochs open at once before the oldest is ended as abandoned.
             Default: :data:`DEFAULT_MAX_OPEN`.
@@ -253,8 +253,7 @@ class Epochs:
         *,
         readers: int = 1,
         world: tuple[int, int] | Callable[[], tuple[int, int] | None] | None = None,
-        nodes: Callable[[], Sequence[str]] | None = None,
-        rendezvous: Callable[[Group], Rendezvous | None] | None = None,
+        all_gather: Callable[[Any], list[Any]] | None = None,
         holder: str = "",
         max_open: int = DEFAULT_MAX_OPEN,
         schema: Schema | None = None,
@@ -277,8 +276,7 @@ class Epochs:
         self.epoch = 0
         self.skipped: list[Skipped] = []
         self._world = world
-        self._nodes = nodes
-        self._make_rendezvous = rendezvous
+        self._all_gather = all_gather
         self._holder = holder
         self._max_open = max_open
         self._abandon_hint = abandon_hint
@@ -309,24 +307,28 @@ class Epochs:
     def _resolve(self) -> tuple[Group, Rendezvous | None]:
         split = self.options.split
         local = _MEMBERS.get((*self._pairing, self._ordinal), set())
+        gather = None
         if callable(self._world):
             self._world = self._world()
+            gather = self._all_gather if self._world is not None else None
         if self._world is None:
             group = Group.from_env(split)
+        elif gather is not None:
+            # Ranks of one machine reading different caches are different groups: their shards differ.
+            nodes = gather(f"{node_name()} (cache {self.cache.path})") if split == "node" else None
+            group = Group.of(split, *self._world, nodes)
         else:
             rank, size = self._world
-            if split == "node" and self._nodes is None:
+            if split == "node":
                 # Without a process group, the ranks built in this process form the node.
                 mine = sorted(r for r in local if r is not None)
                 group = Group(mine.index(rank), len(mine), f"node:{node_name()}", rank, size, mine[0],
                               max(size // len(mine), 1))
             else:
-                group = Group.of(split, rank, size, self._nodes() if self._nodes is not None else None)
-        if self._make_rendezvous is not None and group.world_size > 1:
-            collective = self._make_rendezvous(group)
-            if collective is not None:
-                self._collective = True
-                return group, collective
+                group = Group.of(split, rank, size)
+        if gather is not None and group.world_size > 1:
+            self._collective = True
+            return group, CollectiveRendezvous(group, gather)
         if group.size == 1:
             return group, None
         key = (run_id(self.options.run_id), group.name, group.first_world_rank, self._ordinal, group.size)

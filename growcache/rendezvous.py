@@ -6,8 +6,10 @@ on a subset of what another one leased, however fast the cache turns over. The t
 its lease until every rank of the group has leased the same shards (at most
 :data:`AGREE_TIMEOUT_S` after its own epoch ended), so none of them can be evicted in between.
 
-A :class:`Rendezvous` carries the agreement. The core has two:
+A :class:`Rendezvous` carries the agreement. The core has three:
 
+* :class:`CollectiveRendezvous`: ranks with a process group (``torch.distributed``) agree
+  through two gathers per epoch, which also let groups agree on one batch count.
 * :class:`LocalRendezvous`: ranks in one process (TensorFlow input pipelines built by one
   ``distribute_datasets_from_function``). The first to start an epoch takes it.
 * :class:`FileRendezvous`: ranks in different processes without a process group (TensorFlow
@@ -16,9 +18,6 @@ A :class:`Rendezvous` carries the agreement. The core has two:
   name keyed by run id, group and epoch; the others wait for it, lease, and say so with an
   acknowledgement file. A rank that waits longer than its bound fails with
   :class:`~growcache.errors.EpochSyncError`.
-
-Framework adapters may bring their own (the PyTorch adapter agrees through
-``torch.distributed`` collectives when a process group is initialized).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from . import _proc
@@ -42,6 +41,7 @@ from .manifest import atomic_write_bytes
 __all__ = [
     "AGREE_TIMEOUT_S",
     "Agreement",
+    "CollectiveRendezvous",
     "EpochShards",
     "FileRendezvous",
     "LocalRendezvous",
@@ -195,6 +195,43 @@ def _safe(ready: Callable[[], bool]) -> bool:
 
 
 _KEEPER = _Keeper()
+
+
+# -- ranks with a process group ------------------------------------------------------------------
+class CollectiveRendezvous:
+    """Every rank of the world takes part in two gathers per epoch: one carries each group's
+    first rank's :class:`EpochShards`, the other every rank's lease and batch count.
+
+    Args:
+        group: this rank's group (its ``first_world_rank`` and ``world_size`` are used).
+        all_gather: the framework's gather of one picklable object from every rank, in
+            rank order (``torch.distributed.all_gather_object``, for one).
+    """
+
+    def __init__(self, group: Any, all_gather: Callable[[Any], list[Any]]) -> None:
+        self.group = group
+        self.all_gather = all_gather
+
+    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+        gathered = self.all_gather(take() if self.group.rank == 0 else None)
+        shards: EpochShards = gathered[self.group.first_world_rank]
+        failed = next((s for s in gathered if s is not None and s.error), None)
+        if failed is not None and not shards.error:  # another group's: every rank stops together
+            shards = replace(shards, error=f"another group: {failed.error}", error_type=failed.error_type)
+        return _CollectiveAgreement(shards, self.group.rank == 0, self.all_gather)
+
+
+@dataclass
+class _CollectiveAgreement:
+    shards: EpochShards
+    took: bool
+    all_gather: Callable[[Any], list[Any]]
+
+    def confirm(self, leased: bool, batches: int) -> list[tuple[bool, int]]:
+        return self.all_gather((leased, batches))
+
+    def release(self, close: Callable[[], None]) -> None:
+        close()  # every rank leased before the confirmation returned
 
 
 # -- ranks in one process ------------------------------------------------------------------------

@@ -341,3 +341,40 @@ def test_loader_arguments_are_checked_at_construction(id_cache):
         make_torch_loader(id_cache, 4, on_corrupt="ignore")
     with pytest.raises(ValueError, match="shuffle_buffer"):
         make_torch_loader(id_cache, 4, shuffle_buffer=-3)
+
+
+def test_length_and_plan_are_known_from_iter_and_only_during_the_epoch(id_cache):
+    write_shards(id_cache, [6, 5, 7])
+    loader = make_torch_loader(id_cache, 4, num_workers=2)
+    with pytest.raises(TypeError, match="len\\(GrowcacheLoader\\) is known only during an epoch"):
+        len(loader)
+    assert loader.last_plan is None
+    it = iter(loader)  # plans the epoch before any batch is pulled
+    assert loader.last_plan is not None and len(loader) == loader.last_plan.rank_batches(0)
+    batches = list(it)
+    assert len(batches) == loader.last_plan.rank_batches(0) == 5  # 6+5+7 records over 2 workers in batches of 4
+    with pytest.raises(TypeError, match="GrowcacheLoader"):
+        len(loader)
+
+
+def test_dataloader_arguments_the_loader_sets_itself_are_refused_with_a_hint(id_cache):
+    write_shards(id_cache, [4])
+    with pytest.raises(TypeError, match="shuffle_buffer"):
+        make_torch_loader(id_cache, 4, shuffle=True)
+    with pytest.raises(TypeError, match="sampler="):
+        make_torch_loader(id_cache, 4, sampler=object())
+
+
+@pytest.mark.parametrize("reader", ["tfrecord", "growcache"])
+def test_no_file_is_left_open_in_the_training_process(id_cache, reader):
+    import gc
+    import warnings
+
+    write_shards(id_cache, [5, 3, 4])
+    loader = make_torch_loader(id_cache, 4, num_workers=0, reader=reader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert sorted(_epoch(loader)) == list(range(12))
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
