@@ -520,11 +520,18 @@ class BatchDecoder:
 
     Args:
         codec: the codec of the records' schema.
+        window: batches a reader fills at once (its shuffle window). The staging rows of
+            ``window`` consecutive :meth:`rows` calls are equally spaced slices of one block
+            of memory, as a slab's batches are, so a reader can scatter a window's payloads
+            into all of them with one numpy call. Default: ``1``.
     """
 
-    def __init__(self, codec: ExampleCodec) -> None:
+    def __init__(self, codec: ExampleCodec, window: int = 1) -> None:
         self.codec = codec
         self.specs = codec.specs
+        self.window = max(int(window), 1)
+        self._blocks: list[np.ndarray | None] = [None] * len(self.specs)  # per int64_list feature
+        self._next = 0  # slot of the current blocks the next rows() takes
         self._varint = [i for i, s in enumerate(self.specs) if s.encoding == "int64_list"]
         # Per feature, the index in rows() of its payload lengths (int64_list), or -1.
         self._length_rows = [len(self.specs) + self._varint.index(i) if i in self._varint else -1
@@ -538,9 +545,16 @@ class BatchDecoder:
         """
         rows = []
         batch = next(iter(arrays.values())).shape[0]
-        for spec, length_row in zip(self.specs, self._length_rows):
+        slot = self._next
+        self._next = (slot + 1) % self.window
+        for index, (spec, length_row) in enumerate(zip(self.specs, self._length_rows)):
             if length_row >= 0:
-                rows.append(np.empty((batch, max(spec.size * MAX_VARINT_BYTES, 1)), np.uint8))
+                width = max(spec.size * MAX_VARINT_BYTES, 1)
+                block = self._blocks[index]
+                if slot == 0 or block is None or block.shape[1:] != (batch, width):
+                    # A new block (never reused: batches of the last one may still be filling).
+                    block = self._blocks[index] = np.empty((self.window, batch, width), np.uint8)
+                rows.append(block[slot])
             else:
                 rows.append(arrays[spec.name].reshape(batch, spec.nbytes // spec.dtype.itemsize).view(np.uint8))
         # Payload lengths, preset to the wide form growcache writes: a reader that copies fixed

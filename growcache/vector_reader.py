@@ -1,10 +1,11 @@
 """Vectorized reading of fixed-layout shards: numpy works on pieces of records, not on one at a time.
 
 Every record growcache writes for one schema has the same length and the same layout
-(:attr:`~growcache.example.ExampleCodec.fixed_layout`: no ``int64_list`` feature), so in a
-shard of such records, record ``i`` starts at byte ``i * frame`` and each feature's payload
-sits at a fixed offset inside it. :class:`VectorReader` reads a shard in pieces of about
-1 MiB of frames and, per piece:
+(``int64_list`` values are written as 10-byte varints), so in a shard of such records,
+record ``i`` starts at byte ``i * frame`` and each feature's payload sits at a fixed offset
+inside it. An ``int64_list`` payload lands in its :class:`~growcache.example.BatchDecoder`
+staging row like any other and is decoded when the batch is complete. :class:`VectorReader`
+reads a shard in pieces of about 1 MiB of frames and, per piece:
 
 * compares every frame's 12-byte header and the Example's structure bytes with the
   constants the schema implies: one numpy comparison for the whole piece;
@@ -335,7 +336,8 @@ class _Window:
         # Records land in every batch of a window at once, so all are allocated now (the
         # record-by-record reader allocates them as they get their first record).
         rows = [self._rows_of(number) for number in range(self.batches)]
-        self.spans = [_spanning_view(batches) for batches in zip(*rows)]
+        features = len(self.decoder.specs)  # rows() ends with int64_list lengths: not payload rows
+        self.spans = [_spanning_view(batches) for batches in zip(*(r[:features] for r in rows))]
 
     @property
     def room(self) -> int:
@@ -348,7 +350,8 @@ class _Window:
             rows = self.decoder.rows(arrays)
             entry = self.entries[number] = (key, arrays, rows)
             if self.direct:
-                self.flats[number] = [(memoryview(row).cast("B"), row.shape[1]) for row in rows if row.size]
+                self.flats[number] = [(memoryview(row).cast("B"), row.shape[1])
+                                      for row in rows[:len(self.decoder.specs)] if row.size]
         return entry[2]
 
     def _target(self, position: int) -> int:
@@ -458,8 +461,7 @@ class VectorReader(BatchReader):
     """A :class:`~growcache.batching.BatchReader` that reads fixed-layout shards a piece at a time.
 
     Same arguments, same batches, same errors and ``Skipped`` notes as the record-by-record
-    reader; see the module docstring for what takes which path. A schema without a fixed
-    layout (an ``int64_list`` feature) is read entirely by the record-by-record reader.
+    reader; see the module docstring for what takes which path.
 
     Args:
         schema: the records' schema.
@@ -474,7 +476,7 @@ class VectorReader(BatchReader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fixed = _FixedFrames(self.codec) if self.codec.fixed_layout else None
+        self._fixed = _FixedFrames(self.codec)
         self.records_fast = 0  # records read by the vectorized path (the rest went record by record)
 
     def batches(
@@ -485,7 +487,7 @@ class VectorReader(BatchReader):
         if self._fixed is None:
             yield from super().batches(share, allocate, release)
             return
-        decoder = BatchDecoder(self.codec)
+        decoder = BatchDecoder(self.codec, self.window_batches)  # a window's staging rows in one block
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())

@@ -224,14 +224,23 @@ def test_top_up_cycles_through_shards_as_the_record_reader_does(tmp_path, mode):
     assert rows_of(result) == 17
 
 
-def test_a_schema_with_varint_features_takes_the_record_path(tmp_path):
-    schema = Schema({"label": ("int64", (), "int64_list"), "x": ("float32", (3,))})
+def test_int64_list_features_take_the_vectorized_path_in_growcache_shards_only(tmp_path):
+    from tfrecords import bytes_feature, example, framed, int64_feature
+
+    schema = Schema({"label": ("int16", (2,), "int64_list"), "x": ("float32", (3,))})
     cache = Cache(tmp_path / "c", capacity="1GB", schema=schema)
-    with cache.writer() as writer:
+    with cache.writer() as writer:  # 10-byte varints: one layout whatever the values
         for i in range(6):
-            writer.write({"label": np.int64(i * 1000), "x": np.full(3, i, np.float32)})
-    _, reader = compare(schema, cache_share(cache), batch_size=4)
-    assert reader.records_fast == 0
+            writer.write({"label": np.array([i * 1000, -i], np.int16), "x": np.full(3, i, np.float32)})
+    result, reader = compare(schema, cache_share(cache), batch_size=4, shuffle_buffer=8)
+    assert reader.records_fast == 6 and rows_of(result) == 6
+    # TensorFlow writes the shortest varints: records of several lengths, read record by record.
+    records = [example([("label", int64_feature([i * 1000, -i])), ("x", bytes_feature(np.full(3, i, "<f4").tobytes()))])
+               for i in range(6)]
+    (tmp_path / "tf.tfrecord").write_bytes(framed(records))
+    cache.add_shard(tmp_path / "tf.tfrecord")
+    result, reader = compare(schema, cache_share(cache), batch_size=4)
+    assert reader.records_fast == 6 and rows_of(result) == 12
 
 
 # -- corruption -----------------------------------------------------------------------------
