@@ -363,3 +363,43 @@ def test_two_distributed_datasets_on_one_cache_never_share_an_epoch(id_cache):
     got += [int(i) for batch in a0 for i in batch["id"].numpy()]
     got += [int(i) for batch in a[1] for i in batch["id"].numpy()]
     assert sorted(got) == written
+
+
+_CRAFTED_READ = """
+import json, sys
+import growcache
+from growcache import CorruptShardError
+out = {}
+for on_corrupt in ("raise", "skip"):
+    ds = growcache.make_tf_dataset(sys.argv[1], 2, on_corrupt=on_corrupt)
+    try:
+        out[on_corrupt] = sorted(int(i) for batch in ds for i in batch["id"].numpy())
+    except CorruptShardError as exc:
+        out[on_corrupt] = {"path": exc.path, "offset": exc.offset}
+    out[on_corrupt + "_notes"] = [note.path for note in ds.skipped]
+print(json.dumps(out))
+"""
+
+
+def test_a_crafted_length_never_reaches_tensorflows_reader(id_cache):
+    # A 112-byte shard whose first length has a valid CRC and claims 2**40 bytes: TensorFlow's
+    # own reader dies on it with SIGSEGV, so the read runs in a process of its own.
+    import json
+    import os
+    import struct
+    import subprocess
+    import sys
+
+    from growcache.records import masked_crc32c
+
+    written = write_shards(id_cache, [4, 4])
+    length = struct.pack("<Q", 2**40)
+    crafted = os.path.join(id_cache.shards_dir, "000000000003-1r-112b.tfrecord")
+    with open(crafted, "wb") as f:
+        f.write(length + struct.pack("<I", masked_crc32c(length)) + bytes(100))
+    result = subprocess.run([sys.executable, "-c", _CRAFTED_READ, id_cache.path], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["raise"] == {"path": crafted, "offset": 0}
+    assert out["skip"] == written and out["skip_notes"] == [crafted]
