@@ -124,7 +124,10 @@ def _ddp_rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for name, options in DDP_CASES.items():
-        loader = growcache.make_torch_loader(cache_dir, 2, num_workers=2, seed=4, **options)
+        # Forked workers, as under torchrun (mp.spawn leaves "spawn" as this process's default,
+        # and four spawned workers importing torch would cost more than the test itself).
+        loader = growcache.make_torch_loader(cache_dir, 2, num_workers=2, seed=4, multiprocessing_context="fork",
+                                             **options)
         batches = []
         for batch in loader:
             batches.append(batch["id"].tolist())
