@@ -8,6 +8,9 @@ A source is a picklable callable ``sample(rng) -> dict[str, ndarray]``. Three ki
   byte range, so a 4 MB window of a 1 GB remote array transfers about 4 MB;
 * :class:`FunctionSource`: any picklable ``sample(rng)`` function.
 
+Shard sources, which give a sampler pool whole TFRecord shards instead of samples
+(:class:`~growcache.shard_source.TFRecordShardSource`), are importable from here too.
+
 Stores are reached through ``fsspec.core.url_to_fs(url, **storage_options)``; the
 filesystem is created lazily in each process, so sources travel to spawned sampler
 processes by pickle. Transient store errors are retried with backoff and jitter
@@ -547,3 +550,13 @@ def open_source(
         decoder = "raw" if dtype is not None and shape is not None else ".npy"
     return ObjectSource(url, decoder=decoder, feature=feature, dtype=dtype, shape=shape,
                         storage_options=storage_options, retry=retry)
+
+
+def __getattr__(name: str) -> Any:
+    # The shard sources build on this module's store machinery (listing, retries, redaction),
+    # so they live in growcache.shard_source; they are found here too, beside the sample sources.
+    if name in ("ShardSource", "TFRecordShardSource"):
+        from . import shard_source
+
+        return getattr(shard_source, name)
+    raise AttributeError(f"module 'growcache.sources' has no attribute {name!r}")

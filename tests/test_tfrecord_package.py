@@ -21,3 +21,18 @@ def test_tfrecord_package_reads_growcache_shards(id_cache):
             assert np.array_equal(x, id_sample(record_id)["x"])
             got.append(record_id)
     assert got == ids
+
+
+def test_tfrecord_package_reads_growcache_int64_and_float_lists(tmp_path):
+    from growcache import Cache, Schema
+
+    cache = Cache(tmp_path / "cache", schema=Schema({"label": ("int64", (), "int64_list"),
+                                                      "f": ("float32", (2,), "float_list")}))
+    labels = [0, 300, -7, 2**40]
+    with cache.writer() as writer:
+        for label in labels:
+            writer.write({"label": np.int64(label), "f": np.array([label, 0.5], np.float32)})
+    (shard,) = cache.list_shards()
+    got = list(tfrecord.tfrecord_loader(shard.path, None, {"label": "int", "f": "float"}))
+    assert [int(e["label"][0]) for e in got] == labels  # 10-byte varints read as the values
+    assert [e["f"].tolist() for e in got] == [[float(np.float32(v)), 0.5] for v in labels]
