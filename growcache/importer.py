@@ -623,6 +623,10 @@ def import_files(
             report.refused.append((url, str(exc)))
             logger.error("refused %s: %s", url, exc)
             continue
+        except BaseException:  # the store failed, Ctrl-C: nothing of this file stays behind
+            for piece in pieces:
+                _unlink_quiet(piece.path)
+            raise
         published = _publish_all(cache, pieces)
         report.files += 1
         report.shards += len(published)

@@ -218,7 +218,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             end = None
             for start, stop in claim.segments:
                 chunks, _ = self.stream(claim.path, start)
-                frames = _Until(iter_frames(chunks, url, start), start, stop)
+                frames = _Until(iter_frames(chunks, url, start), start, stop, job.should_stop)
                 pieces = copy_records(frames, cache, RecordChecker(codec, url), max_records=self.max_shard_records,
                                       max_bytes=min(limits) if limits else None, start=start, progress=job.progress)
                 last_segment = (start, stop) == claim.segments[-1]
@@ -237,6 +237,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 self._finish(cache, claim.path, end)
                 done = True
             logger.debug("fetched %s", url)
+        except _Stopping:
+            logger.debug("stopped fetching %s", url)
         finally:
             if not done:
                 self._release(cache, claim.path)
@@ -359,22 +361,32 @@ class _Commit:
         self.source._commit(self.cache, self.path, self.start, self.end, self.finish, info)
 
 
+class _Stopping(Exception):
+    """The pool stops while a shard is being copied: the copy is dropped, its claim released."""
+
+
 class _Until:
     """The frames of a stream from offset ``start`` up to ``stop`` (``None``: its end).
 
     ``end`` is where the last frame ended: the stream's end once a ``stop=None`` run is over.
+    Raises :class:`_Stopping` once ``should_stop()`` says so (checked every 64 frames), so a
+    stopping pool does not wait for the rest of a large shard.
     """
 
-    def __init__(self, frames: Iterator[tuple], start: int, stop: int | None) -> None:
+    def __init__(self, frames: Iterator[tuple], start: int, stop: int | None,
+                 should_stop: Callable[[], bool]) -> None:
         self.frames = frames
         self.stop = stop
         self.end = start
+        self.should_stop = should_stop
 
     def __iter__(self) -> Iterator[tuple]:
-        for frame in self.frames:
+        for count, frame in enumerate(self.frames):
             offset, _, start, end, _ = frame
             if self.stop is not None and offset >= self.stop:
                 return
+            if not count % 64 and self.should_stop():
+                raise _Stopping
             self.end = offset + end - start
             yield frame
 

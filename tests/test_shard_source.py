@@ -194,3 +194,26 @@ def test_fetch_from_object_stores(request, tmp_path, store_name):
     got = [bytes(r) for _ in range(3) for s in fetch_once(source, cache) for _, r in iter_records(s.path)]
     assert sorted(got) == sorted(expected)
     assert "growcache-test-secret" not in repr(source)  # the S3 server's credentials
+
+
+def test_a_stopping_pool_drops_the_copy_in_progress_and_the_next_fetch_resumes(tmp_path):
+    remote = make_remote(tmp_path / "remote", 1, records=500)
+    cache = Cache(tmp_path / "cache", capacity="10MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"), max_shard_records=100, chunk_bytes=4096)
+    copied = [0]
+
+    def progress(nbytes: int) -> None:
+        copied[0] += 1
+
+    job = FetchJob(cache, 0, 0, lambda: copied[0] > 150, progress=progress)  # stop() mid-way through piece 2
+    published = []
+    with contextlib.closing(source.fetch(job)) as shards:
+        for shard in shards:
+            published.append(cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit))
+    assert [s.records for s in published] == [100]
+    assert state_of(cache, source)["claims"] == {} and state_of(cache, source)["done"] == []
+    assert not [n for n in os.listdir(cache.shards_dir) if n.startswith(".tmp")]
+    rest = fetch_once(source, cache)  # resumes after the published piece
+    assert [s.records for s in rest] == [100, 100, 100, 100]
+    records = [bytes(r) for s in cache.list_shards() for _, r in iter_records(s.path)]
+    assert records == remote["train-00000-of-00001"]
