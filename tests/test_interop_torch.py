@@ -24,7 +24,7 @@ import tf_files  # noqa: E402  (its top level needs no TensorFlow)
 
 import growcache  # noqa: E402
 from growcache import Cache, CompressedFileError, Schema  # noqa: E402
-from growcache.importer import import_files  # noqa: E402
+from growcache.cli import main  # noqa: E402
 
 SCHEMA = Schema(tf_files.SCHEMA)
 
@@ -47,7 +47,7 @@ def tf_written(tmp_path_factory):
         else:
             with pytest.raises(CompressedFileError):
                 cache.add_shard(root / name)
-            assert import_files(str(root / name), cache).records == tf_files.RECORDS_PER_FILE
+            assert main(["import", "-q", str(root / name), cache.path]) == 0  # `growcache import`
     return cache, oracle
 
 

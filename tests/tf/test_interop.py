@@ -19,7 +19,8 @@ import tf_files  # noqa: E402
 from growcache import Cache, CompressedFileError, Schema  # noqa: E402
 from growcache.adapters.tf_dataset import make_tf_dataset  # noqa: E402
 from growcache.example import ExampleCodec  # noqa: E402
-from growcache.importer import import_files, infer_schema  # noqa: E402
+from growcache.cli import main  # noqa: E402
+from growcache.importer import infer_schema  # noqa: E402
 from growcache.records import iter_records  # noqa: E402
 
 SCHEMA = Schema(tf_files.SCHEMA)
@@ -37,8 +38,7 @@ def tf_written(tmp_path_factory):
         else:
             with pytest.raises(CompressedFileError, match="growcache import"):
                 cache.add_shard(root / name)
-            report = import_files(str(root / name), cache)
-            assert report.records == tf_files.RECORDS_PER_FILE and not report.refused
+            assert main(["import", "-q", str(root / name), cache.path]) == 0  # `growcache import`
     return root, cache, oracle
 
 
