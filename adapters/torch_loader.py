@@ -349,17 +349,10 @@ def make_torch_loader(
         batch_size: records per batch.
         num_workers: DataLoader worker processes; ``0`` reads in the training process.
             Default: ``2``.
-        shuffle_buffer: records shuffled together in each reader (see
-            :class:`~growcache.batching.BatchReader`): each window of this many records,
-            rounded up to whole batches and at least two, is scattered over its batches at
-            random, so batches mix neighbouring shards and differ from epoch to epoch. No
-            extra copy: each record still goes straight into its slot in shared memory.
-            ``0``: batches hold consecutive records of a shard (shards are still shuffled
-            per epoch). Default: about 32 MiB of records and at least two batches, at most
-            8192 records.
-        seed: shard and record shuffle seed; the first rank's is used on every rank.
-            Default: ``0``.
-        drop_last: drop each reader's last partial batch. Default: ``False``.
+        shuffle_buffer: records shuffled together in each worker, with no extra copy; ``0``
+            for none. Default: about 32 MiB of records.
+        seed: shard and record shuffle seed; rank 0's is used by every rank. Default: ``0``.
+        drop_last: drop each worker's last partial batch. Default: ``False``.
         pin_memory: page-locked batches for your own ``.to(device, non_blocking=True)``:
             features above 256 KiB per batch are zero-copy views of a slab registered with
             CUDA, smaller ones are copied into pinned memory. A slot is reused only after
@@ -373,14 +366,11 @@ def make_torch_loader(
             ``pin_memory`` and ``copy`` have no effect. Default: ``None``.
         persistent_workers: keep workers between epochs. Default: ``num_workers > 0``.
         prefetch_factor: batches in flight per worker. Default: ``2``.
-        even_batches: every rank yields the same number of batches (top up, or drop with
-            ``drop_last``). Default: ``True``.
+        even_batches: every rank yields the same number of batches. Default: ``True``.
         verify: check every record's CRC32C. Default: ``True``.
-        on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError` in the training
-            process, or ``"skip"`` the shard's remaining records, noted in
-            ``loader.skipped``. Default: ``"raise"``.
-        wait_for_shards: seconds an epoch waits for a first shard before raising
-            :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
+        on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError`, or ``"skip"`` the rest
+            of the shard, noted in ``loader.skipped``. Default: ``"raise"``.
+        wait_for_shards: seconds an epoch waits for a first shard. Default: ``0.0``.
         reader: ``"growcache"``: the core's vectorized reader
             (:class:`~growcache.vector_reader.VectorReader`), which reads shards of one
             fixed record layout (any schema without ``int64_list`` features) a piece at a
@@ -390,13 +380,13 @@ def make_torch_loader(
         copy: copy each batch out of shared memory instead of zero-copy views (frees the
             slot at once; costs a memcpy in the training process). Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.
-        split: which ranks share one snapshot per epoch. ``"shared"``: every rank (one
-            cache for the world, on one machine or a shared filesystem); each record once
-            per epoch across the world. ``"node"``: the ranks of one machine (each machine
-            has its own cache); all ranks still yield the same number of batches. A machine
-            is named by ``$GROWCACHE_NODE``, else its hostname. Default: ``"shared"``.
-        run_id: keeps this run's epoch files apart from another's when ranks agree without
-            a process group. Default: ``None`` (``$GROWCACHE_RUN_ID``, torchrun's or SLURM's).
+        split: ``"shared"`` (one cache for every rank) or ``"node"`` (one cache per machine,
+            named by ``$GROWCACHE_NODE`` or its hostname). Default: ``"shared"``.
+        run_id: keys the epoch files of ranks without a process group. Default: ``None``.
+
+    ``seed``, ``shuffle_buffer``, ``drop_last``, ``even_batches``, ``verify``, ``on_corrupt``,
+    ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in ``make_tf_dataset``,
+    with the same defaults: see :class:`growcache.epoch.EpochOptions`.
 
     Raises:
         SchemaError: the cache has no schema.

@@ -163,21 +163,39 @@ class Group:
 
 @dataclass(frozen=True)
 class EpochOptions:
-    """The epoch arguments both adapters share, checked, with their shared defaults.
+    """The epoch arguments both adapters share: one meaning, one default, checked here.
+
+    ``make_torch_loader`` and ``make_tf_dataset`` document them briefly and refer here.
 
     Attributes:
-        batch_size: records per batch of one reader.
-        seed: shard order and record shuffle seed; the same on every rank. Default: ``0``.
-        shuffle_buffer: records shuffled together in each reader; ``None`` for about 32 MiB
-            of records (see :func:`~growcache.batching.default_shuffle_buffer`). Default: ``None``.
-        drop_last: drop each reader's final partial batch. Default: ``False``.
-        even_batches: every rank yields the same number of batches. Default: ``True``.
-        verify: check every record's CRC32C before it is used. Default: ``True``.
-        on_corrupt: ``"raise"`` or ``"skip"``. Default: ``"raise"``.
-        wait_for_shards: seconds an epoch waits for a first shard. Default: ``0.0``.
-        split: ``"shared"`` or ``"node"``. Default: ``"shared"``.
-        run_id: keeps this run's epoch files apart from another's (see :func:`run_id`).
-            Default: ``None``.
+        batch_size: records per batch of one reader (a DataLoader worker, a TensorFlow pipeline).
+        seed: the shard order of epoch ``e`` is drawn from ``(seed, e)``, and each reader's
+            record shuffle from ``(seed, e, reader)``. The first rank's seed and epoch number
+            are used by every rank of its group. ``None`` means the default. Default: ``0``.
+        shuffle_buffer: records shuffled together in each reader; ``0`` turns the record
+            shuffle off (shards are still shuffled per epoch). PyTorch scatters each window of
+            this many records (rounded up to whole batches, at least two) over its batches, at
+            no extra copy; TensorFlow uses a ``Dataset.shuffle`` buffer. Default: ``None``,
+            about 32 MiB of records, at least two batches and at most 8192 records
+            (:func:`~growcache.batching.default_shuffle_buffer`).
+        drop_last: drop each reader's final partial batch; with ``even_batches`` and several
+            ranks it also picks *drop* over *top up* (see :mod:`growcache.planning`).
+            Default: ``False``.
+        even_batches: every rank yields the same number of batches, so that no DDP rank or
+            synchronized replica waits on one that ran out. Default: ``True``.
+        verify: check every record's CRC32C before it is used; lengths, framing and record
+            counts are checked anyway. TensorFlow's reader gets a shard only once growcache
+            has checked it whole. Default: ``True``.
+        on_corrupt: ``"raise"`` a :class:`~growcache.CorruptShardError` naming the file and
+            offset, or ``"skip"`` the shard from the bad record on (TensorFlow: the whole
+            shard), noted in ``skipped`` and logged. Default: ``"raise"``.
+        wait_for_shards: seconds an epoch waits for a first shard in an empty cache before
+            :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
+        split: the ranks that read one snapshot per epoch: ``"shared"``, all of them (one
+            cache); ``"node"``, those of one machine (a cache per machine, named by
+            ``$GROWCACHE_NODE`` or its hostname). Default: ``"shared"``.
+        run_id: keeps one run's epoch files apart from another's, for ranks that agree without
+            a process group. Default: ``None`` (see :func:`run_id`).
     """
 
     batch_size: int
