@@ -294,9 +294,7 @@ class ExampleCodec:
 
     # -- layouts --------------------------------------------------------------------------
     def has_layout(self, record: Any) -> bool:
-        """True when ``record`` has exactly the fixed layout this codec writes."""
-        if not self.fixed_layout:
-            return False
+        """True when ``record`` has exactly the layout this codec writes."""
         view = memoryview(record)
         if len(view) != self.record_nbytes:
             return False
