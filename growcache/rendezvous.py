@@ -295,6 +295,8 @@ class LocalRendezvous:
             raise
         with group.cond:
             entry.shards = shards
+            if shards.error and group.epochs.get(epoch) is entry:
+                del group.epochs[epoch]  # waiting ranks hold the entry; a retry takes the epoch anew
             group.cond.notify_all()
         return _LocalAgreement(self, epoch, entry, shards, took=True)
 
@@ -371,6 +373,7 @@ class FileRendezvous:
         path = self.path(epoch)
         if self.rank == 0:
             remove_stale_epoch_files(os.path.dirname(self.dir))
+            _unlink_quiet(path)  # a failed earlier attempt's error, which a retrying rank must not read
             shards = take()
             pid, start = _proc.this_process()
             body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,

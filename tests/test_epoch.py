@@ -209,3 +209,16 @@ def test_ranks_in_one_process_agree_in_memory_whoever_starts_first(id_cache):
     run(0)  # ... and rank 0, started later, reads exactly what rank 1 took
     assert results[0] == results[1]
     assert not os.path.exists(os.path.join(id_cache.path, EPOCHS_DIR))
+
+
+def test_a_failed_epoch_start_fails_every_rank_and_a_retry_starts_afresh(tmp_path):
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    epochs = [Epochs(cache, EpochOptions(2), world=(r, 2)) for r in range(2)]
+    for rank in (1, 0):  # rank 1 takes the epoch in memory: the cache is empty
+        with pytest.raises(EmptyCacheError):
+            epochs[rank].start()
+    write_shards(cache, [4, 4])
+    started = [epochs[rank].start() for rank in (0, 1)]  # the retry of epoch 0 reads the new shards
+    assert [e.number for e in started] == [0, 0] and len(started[0].shards) == len(started[1].shards) == 2
+    for epoch in started:
+        epoch.end()
