@@ -38,7 +38,7 @@ def main() -> None:
     model = torch.nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
-    loader = growcache.make_torch_loader(cache, 4, num_workers=1, seed=7)
+    loader = growcache.make_torch_loader(cache, 4, num_workers=1, seed=7, device=accelerator.device)
     record = {"epochs": [], "undispatched": None}
     for epoch in range(3):
         ids, batches = [], 0

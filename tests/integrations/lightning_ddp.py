@@ -30,13 +30,18 @@ class Model(L.LightningModule):
         self.shard = shard
         self.epochs = epochs
 
+    def train_dataloader(self):
+        # The docs' recipe: a resumed run's first epoch reads the trainer's epoch.
+        self.loader.set_epoch(self.trainer.current_epoch)
+        return self.loader
+
     def on_train_epoch_start(self) -> None:
         self.epochs[self.current_epoch] = {"ids": [], "batches": 0, "planned_epoch": None}
 
     def training_step(self, batch, batch_idx):
         record = self.epochs[self.current_epoch]
         if batch_idx == 0:
-            record["planned_epoch"] = self.loader.last_plan.epoch
+            record["planned_epoch"] = self.loader.last_epoch.number
         record["ids"] += batch["id"].tolist()
         record["batches"] += 1
         return self.layer(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
@@ -56,7 +61,7 @@ def _fit(cache, shard: int, epochs: int, records: dict, checkpoint: str | None) 
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         num_sanity_val_steps=0)
-    trainer.fit(Model(cache, loader, shard, records), loader, ckpt_path=checkpoint)
+    trainer.fit(Model(cache, loader, shard, records), ckpt_path=checkpoint)
     return trainer
 
 

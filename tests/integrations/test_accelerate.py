@@ -59,7 +59,7 @@ def test_prepare_model_and_optimizer_only_keeps_every_guarantee(id_cache):
     model = torch.nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
-    loader = growcache.make_torch_loader(id_cache, 4, num_workers=2, seed=3)
+    loader = growcache.make_torch_loader(id_cache, 4, num_workers=2, seed=3, device=accelerator.device)
     for epoch in range(3):
         ids = []
         for batch in loader:

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import growcache  # noqa: E402
 from conftest import write_shards  # noqa: E402
 from growcache.adapters.tf_dataset import make_tf_dataset  # noqa: E402
+from growcache.epoch import trainer_epoch  # noqa: E402
 
 GLOBAL_BATCH = 8
 
@@ -63,18 +64,20 @@ def main() -> None:
                 time.sleep(0.01)
             write_shards(cache, [shard], first_id=1000 * epoch)
         ids, batches = [], 0
-        iterator = iter(dist)
-        batch = next(iterator)
-        if worker == 1:
-            open(started, "w").close()
-        while True:
-            for local in strategy.experimental_local_results(step(batch)):
-                ids += [int(i) for i in np.asarray(local)]
-            batches += 1
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
+        with trainer_epoch(epoch):  # as docs/tensorflow.md shows: the order of epoch `epoch`
+            iterator = iter(dist)
+            batch = next(iterator)
+            if worker == 1:
+                open(started, "w").close()
+            while True:
+                for local in strategy.experimental_local_results(step(batch)):
+                    ids += [int(i) for i in np.asarray(local)]
+                batches += 1
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+            del iterator
         record.append({"ids": ids, "batches": batches})
     with open(os.path.join(out, f"worker{worker}.json"), "w") as f:
         json.dump(record, f)
