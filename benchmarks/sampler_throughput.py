@@ -30,11 +30,12 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from growcache import Cache, Schema, parse_size
-from growcache.sampler import SamplerPool
+from growcache.sampler import SamplerPool, SamplerStats
 from growcache.sources import NpyWindowSource
 
 TARGETS = {"sampler_vs_plain_write": 0.7}
@@ -112,6 +113,13 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
     # stop_after: exactly the target, the last shards partial (no worker samples on to fill one).
     pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size, max_shard_age=None, seed=0,
                        stop_after=records)
+    result = _measure(pool, workers, lambda stats: stats.finished)
+    shutil.rmtree(directory)
+    return result
+
+
+def _measure(pool: SamplerPool, workers: int, finished: Callable[[SamplerStats], bool]) -> dict[str, object]:
+    """Run ``pool`` until ``finished(stats)``; its payload MB/s, shards and workers' memory."""
     rss_trace: dict[int, list[tuple[float, int]]] = {}
     t0 = time.perf_counter()
     first = None
@@ -126,7 +134,7 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
                 if rss is not None:
                     rss_trace.setdefault(index, []).append((round(now - t0, 2), rss))
             pool.raise_if_failed()
-            if stats.finished:
+            if finished(stats):
                 break
             time.sleep(0.02)
         end = time.perf_counter()
@@ -134,7 +142,7 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
     payload = final.records * ROW_BYTES
     # Steady state: from the first record seen to the target (spawn and imports left out).
     steady_bytes = (final.records - (first[1] if first else 0)) * ROW_BYTES
-    result = {
+    return {
         "workers": workers,
         "records": final.records,
         "payload_bytes": payload,
@@ -149,8 +157,6 @@ def _sampler(directory: str, source_url: str, workers: int, total: int, shard_si
             str(i): _quarters(trace) for i, trace in rss_trace.items()
         },
     }
-    shutil.rmtree(directory)
-    return result
 
 
 def _make_tfrecord_source(root: str, total: int, shard_size: int) -> str:
@@ -184,34 +190,9 @@ def _shard_source(directory: str, source_url: str, workers: int, total: int, sha
     schema = Schema({"x": ("float32", (1, ROW_BYTES // 4))})
     cache = Cache(directory, capacity=2 * total + 2 * workers * shard_size + (64 << 20), schema=schema)
     pool = SamplerPool(cache, TFRecordShardSource(source_url), workers=workers, shard_size=2 * shard_size, seed=0)
-    t0 = time.perf_counter()
-    first = None
-    with pool:
-        while True:
-            stats = pool.stats()
-            now = time.perf_counter()
-            if first is None and stats.records_written > 0:
-                first = (now, stats.records_written)
-            pool.raise_if_failed()
-            if stats.records >= records:
-                break
-            time.sleep(0.02)
-        end = time.perf_counter()
-    final = pool.stats()
-    payload = final.records * ROW_BYTES
-    steady_bytes = (final.records - (first[1] if first else 0)) * ROW_BYTES
+    result = _measure(pool, workers, lambda stats: stats.records >= records)
     shutil.rmtree(directory)
-    return {
-        "workers": workers,
-        "records": final.records,
-        "payload_bytes": payload,
-        "shards": final.shards,
-        "seconds_with_startup": end - t0,
-        "MBps_with_startup": payload / (end - t0) / 1e6,
-        "MBps": (steady_bytes / (end - first[0]) / 1e6 if first and end - first[0] > 0.2 and steady_bytes > 0
-                 else payload / (end - t0) / 1e6),
-        "worker_peak_rss_MB": [round(r / 1e6, 1) for r in final.worker_peak_rss],
-    }
+    return result
 
 
 def _quarters(trace: list[tuple[float, int]]) -> list[float]:

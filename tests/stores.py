@@ -247,6 +247,9 @@ class CountingProxy:
             threading.Thread(target=self._pipe, args=(client, server, "sent"), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, "received"), daemon=True).start()
 
+    def observe(self, direction: str, data: bytes) -> None:
+        """Called with the lock held for every chunk relayed (``"sent"``: to the server); a hook."""
+
     def _pipe(self, src: socket.socket, dst: socket.socket, counter: str) -> None:
         try:
             while True:
@@ -255,6 +258,7 @@ class CountingProxy:
                     break
                 with self._lock:
                     setattr(self, counter, getattr(self, counter) + len(data))
+                    self.observe(counter, data)
                 dst.sendall(data)
         except OSError:
             pass

@@ -41,35 +41,23 @@ class RequestLog(CountingProxy):
     def __init__(self, target_port: int) -> None:
         super().__init__(target_port)
         self.requests: list[tuple[float, str, str, int | None]] = []
+        self._pending: dict[int, bytes] = {}
 
-    def _pipe(self, src, dst, counter: str) -> None:
-        if counter != "sent":
-            return super()._pipe(src, dst, counter)
-        pending = b""
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                pending += data
-                while True:
-                    match = self._REQUEST.match(pending)
-                    if match is None:
-                        break
-                    first = self._RANGE.search(match.group(3))
-                    with self._lock:
-                        self.requests.append((time.time(), match.group(1).decode(), match.group(2).decode(),
-                                              int(first.group(1)) if first else None))
-                    pending = pending[match.end():]
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+    def observe(self, direction: str, data: bytes) -> None:
+        if direction != "sent":
+            return
+        # One relay thread per connection: requests of a connection arrive in order on it.
+        key = threading.get_ident()
+        pending = self._pending.get(key, b"") + data
+        while True:
+            match = self._REQUEST.match(pending)
+            if match is None:
+                break
+            first = self._RANGE.search(match.group(3))
+            self.requests.append((time.time(), match.group(1).decode(), match.group(2).decode(),
+                                  int(first.group(1)) if first else None))
+            pending = pending[match.end():]
+        self._pending[key] = pending
 
 
 def _watch_budget(cache: Cache, capacity: int, frame: int, stop: threading.Event, problems: list[str]) -> None:
