@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,14 @@ import numpy as np
 from . import errors as _errors
 from .batching import ReaderShare, ReaderSpec, Skipped, default_shuffle_buffer
 from .cache import Cache
-from .errors import CorruptShardError, EmptyCacheError, EpochSyncError, GrowcacheError, SchemaError
+from .errors import (
+    CorruptShardError,
+    EmptyCacheError,
+    EpochSyncError,
+    GrowcacheError,
+    SchemaError,
+    SchemaMismatchError,
+)
 from .planning import EpochPlan, plan_epoch, reader_seed
 from .records import check_records
 from .schema import Schema
@@ -60,6 +67,7 @@ __all__ = [
     "Epochs",
     "Group",
     "node_name",
+    "resolve_schema",
     "run_id",
 ]
 
@@ -229,6 +237,28 @@ class EpochOptions:
             raise ValueError(f"wait_for_shards must be >= 0 seconds, got {self.wait_for_shards!r}")
 
 
+def resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None = None) -> Schema:
+    """The schema to read ``cache`` with: ``features``, which must equal a stored schema, else the stored one.
+
+    Raises:
+        SchemaMismatchError: ``features`` differs from the schema stored in the cache.
+        SchemaError: neither is there.
+    """
+    if features is not None:
+        schema = Schema(features)
+        if cache.schema is not None and cache.schema != schema:
+            raise SchemaMismatchError(
+                f"features={schema!r} differs from the schema stored in cache {cache.path}, {cache.schema!r}. "
+                "Leave features= out to read the stored schema.")
+        return schema
+    if cache.schema is None:
+        raise SchemaError(
+            f"cache {cache.path} stores no schema, so its records cannot be decoded: open it with "
+            "Cache(path, schema=Schema({...})) first, giving the dtype and shape of every feature "
+            "(make_tf_dataset also takes them as features=)")
+    return cache.schema
+
+
 _ORDINALS: dict[tuple, int] = {}
 _MEMBERS: dict[tuple, set[int]] = {}
 _MODES: dict[tuple, str] = {}
@@ -254,7 +284,8 @@ class Epochs:
         holder: lease label, shown by ``growcache status``. Default: ``""``.
         max_open: epochs open at once before the oldest is ended as abandoned.
             Default: :data:`DEFAULT_MAX_OPEN`.
-        schema: the records' schema. Default: ``None``: the cache's.
+        schema: the records' schema, for a cache that stores none (see :func:`resolve_schema`).
+            Default: ``None``: the cache's.
         abandon_hint: what the user can change, appended to the warning that ends an
             abandoned epoch. Default: ``""``.
 
@@ -274,12 +305,10 @@ class Epochs:
         all_gather: Callable[[Any], list[Any]] | None = None,
         holder: str = "",
         max_open: int = DEFAULT_MAX_OPEN,
-        schema: Schema | None = None,
+        schema: Schema | Mapping[str, Any] | None = None,
         abandon_hint: str = "",
     ) -> None:
-        schema = schema if schema is not None else cache.schema
-        if schema is None:
-            raise SchemaError(f"cache {cache.path} has no schema: open it with Cache(path, schema=...) first")
+        schema = resolve_schema(cache, schema)
         if readers < 1:
             raise ValueError(f"readers must be >= 1, got {readers}")
         self.cache = cache
