@@ -36,8 +36,8 @@ from tensorflow.python.data.ops import dataset_ops, iterator_ops
 from tensorflow.python.framework import ops
 
 from growcache.cache import Cache
-from growcache.epoch import EpochOptions, Epochs
-from growcache.errors import EmptyCacheError, GrowcacheError, SchemaError, SchemaMismatchError
+from growcache.epoch import EpochOptions, Epochs, resolve_schema
+from growcache.errors import EmptyCacheError, GrowcacheError, SchemaError
 from growcache.example import tf_parse_plan
 from growcache.schema import Schema
 
@@ -140,7 +140,7 @@ def make_tf_dataset(
     """
     if not isinstance(cache, Cache):
         cache = Cache(cache)
-    schema = _resolve_schema(cache, features)
+    schema = resolve_schema(cache, features)
     if label is not None and label not in schema:
         raise SchemaError(f"label={label!r} is not a feature of the cache's schema {list(schema)}")
     options = EpochOptions(batch_size, seed=seed, shuffle_buffer=shuffle_buffer, drop_last=drop_remainder,
@@ -203,23 +203,6 @@ def make_tf_dataset(
 def _default_cycle() -> int:
     # Enough shards in flight to keep every core parsing, few enough to keep reads sequential.
     return min(max(4, os.cpu_count() or 4), 16)
-
-
-def _resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None) -> Schema:
-    if features is not None:
-        schema = Schema(features)
-        if cache.schema is not None and cache.schema != schema:
-            raise SchemaMismatchError(
-                f"features={schema!r} differs from the schema stored in cache {cache.path}, {cache.schema!r}. "
-                "Leave features= out to read the stored schema."
-            )
-        return schema
-    if cache.schema is None:
-        raise SchemaError(
-            f"cache {cache.path} stores no schema, so its records cannot be decoded: pass "
-            "features=Schema({...}) with the dtype and shape of every feature"
-        )
-    return cache.schema
 
 
 def _batch_parser(schema: Schema, label: str | None, rows: int = -1):
