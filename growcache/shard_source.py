@@ -248,11 +248,14 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         """This source's state in ``cache``. Assumes you hold the lock."""
         try:
             state = cache._manifest.read_source_state(self.key)
+            problem = None if state is None else _damage(state)
         except CacheFormatError as exc:
-            logger.warning("%s; it is started afresh (shards the cache holds may be fetched again)", exc)
+            state, problem = None, str(exc)
+        if problem is not None:
+            logger.warning("the state of shard source %s in %s is damaged (%s); it starts afresh, so shards the "
+                           "cache holds may be fetched again", self._redact(", ".join(self.urls)), cache.path, problem)
             state = None
-        if not isinstance(state, dict) or not isinstance(state.get("held"), dict):
-            state = {}
+        state = state or {}
         state.setdefault("pass", 0)
         state.setdefault("order", [])
         state.setdefault("done", [])
@@ -391,6 +394,32 @@ class _Until:
             yield frame
 
 
+def _damage(state: dict[str, Any]) -> str | None:
+    """What is wrong with a state file's content, or ``None``: every value is checked before use."""
+    def ints(values: Any, count: int) -> bool:
+        return isinstance(values, list) and len(values) == count and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+    def strings(values: Any) -> bool:
+        return isinstance(values, list) and all(isinstance(v, str) for v in values)
+
+    checks = [
+        (isinstance(state.get("pass", 0), int), "pass"),
+        (strings(state.get("order", [])), "order"),
+        (strings(state.get("done", [])), "done"),
+        (isinstance(state.get("claims", {}), dict) and all(isinstance(c, dict) for c in state.get("claims", {}).values()),
+         "claims"),
+        (isinstance(state.get("held", {}), dict) and all(
+            isinstance(e, dict) and (e.get("end") is None or isinstance(e.get("end"), int))
+            and isinstance(e.get("pieces"), list) and all(ints(p, 3) for p in e["pieces"])
+            for e in state.get("held", {}).values()), "held"),
+        (isinstance(state.get("history", []), list) and all(
+            isinstance(h, dict) and strings(h.get("fetched", [])) for h in state.get("history", [])), "history"),
+    ]
+    bad = [name for ok, name in checks if not ok]
+    return f"bad {', '.join(bad)}" if bad else None
+
+
 def _prune(state: dict[str, Any], live: set[int]) -> None:
     """Forget held pieces whose shard was evicted, and claims whose process is gone."""
     for path in list(state["held"]):
@@ -435,6 +464,8 @@ def pass_progress(cache: Cache) -> list[PassProgress]:
     live = {s.seq for s in cache.list_shards()}
     out = []
     for state in cache._manifest.source_states():
+        if _damage(state) is not None:
+            continue  # a damaged state file: status shows the rest
         try:
             order, done = state.get("order", []), set(state.get("done", []))
             held = state.get("held", {})

@@ -217,3 +217,18 @@ def test_a_stopping_pool_drops_the_copy_in_progress_and_the_next_fetch_resumes(t
     assert [s.records for s in rest] == [100, 100, 100, 100]
     records = [bytes(r) for s in cache.list_shards() for _, r in iter_records(s.path)]
     assert records == remote["train-00000-of-00001"]
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"held": {"a": {"end": 1, "pieces": [["x", 0, 1]]}}}', "[1, 2]"])
+def test_a_damaged_state_file_starts_afresh_with_a_warning(tmp_path, caplog, damage):
+    remote = make_remote(tmp_path / "remote", 2)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    with open(os.path.join(cache.path, "sources", f"{source.key}.json"), "w") as f:
+        f.write(damage)
+    with caplog.at_level("WARNING", logger="growcache"):
+        (shard,) = fetch_once(source, cache)
+    assert "starts afresh" in caplog.text
+    assert [bytes(r) for _, r in iter_records(shard.path)] in list(remote.values())
+    assert state_of(cache, source)["pass"] == 1
