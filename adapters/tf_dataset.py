@@ -81,6 +81,10 @@ def make_tf_dataset(
     epoch's length (Keras 3 with datasets of unknown cardinality); train with
     :func:`growcache.fit_growing` to follow the growth.
 
+    ``seed``, ``shuffle_buffer``, ``drop_remainder`` (``drop_last``), ``verify``,
+    ``on_corrupt``, ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in
+    ``make_torch_loader``, with the same defaults: see :class:`growcache.epoch.EpochOptions`.
+
     Args:
         cache: a :class:`Cache` or the path of a cache directory.
         batch_size: records per batch of this input pipeline (under ``tf.distribute``,
