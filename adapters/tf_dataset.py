@@ -35,11 +35,13 @@ import tensorflow as tf
 from tensorflow.python.data.ops import dataset_ops, iterator_ops
 from tensorflow.python.framework import ops
 
+from growcache.batching import Skipped
 from growcache.cache import Cache
-from growcache.epoch import EpochOptions, Epochs, resolve_schema
+from growcache.epoch import Epoch, EpochOptions, Epochs, resolve_schema
 from growcache.errors import EmptyCacheError, GrowcacheError, SchemaError
-from growcache.example import tf_parse_plan
+from growcache.example import ExampleCodec, tf_parse_plan
 from growcache.schema import Schema
+from growcache.transport import BatchLayout, Slab
 
 __all__ = ["make_tf_dataset"]
 
@@ -51,6 +53,13 @@ _ABANDONED = (
     "itself (do per-batch work inside the loop), whose iterators end their epochs when deleted.")
 # decode_raw has no unsigned 32/64-bit outputs: decode as the signed type, then bitcast.
 _RAW_AS = {tf.uint32: tf.int32, tf.uint64: tf.int64}
+_READERS = ("growcache", "tensorflow")
+# Features of at most this many bytes per batch (labels, ids) are copied out of their slot, as
+# in the torch adapter: users keep those, and a kept view would pin the whole slot.
+_COPY_BELOW = 256 << 10
+# Slots per reader beyond its shuffle window: batches in tf.data's buffers and the one the
+# training step holds. When every slot is held, a batch gets fresh memory instead.
+_SPARE_SLOTS = 6
 
 
 def make_tf_dataset(
@@ -72,6 +81,7 @@ def make_tf_dataset(
     read_buffer: int = 8 << 20,
     split: str = "shared",
     run_id: str | None = None,
+    reader: str = "growcache",
 ) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` over a growcache cache; each iterator reads a fresh snapshot.
 
@@ -89,14 +99,22 @@ def make_tf_dataset(
         cache: a :class:`Cache` or the path of a cache directory.
         batch_size: records per batch of this input pipeline (under ``tf.distribute``,
             the per-replica batch size, e.g. ``input_context.get_per_replica_batch_size(B)``).
-        shuffle_buffer: records in the shuffle buffer; ``0`` turns record shuffling off.
+        shuffle_buffer: records shuffled together; ``0`` turns record shuffling off. With
+            ``reader="growcache"`` each reader scatters windows of this many records (rounded
+            up to whole batches, at least two) over their batches, as the torch adapter does,
+            at no extra copy; with ``reader="tensorflow"`` it is a ``Dataset.shuffle`` buffer.
             Default: about 32 MiB of records, at least two batches, at most 8192 records.
         seed: seed of the shard order and the record shuffle; the first pipeline's is used by
             every pipeline of its group. Epoch ``e`` shuffles with ``(seed, e)``, where ``e``
             counts this dataset's iterators. Default: ``0``.
-        cycle_length: shards read at once. Default: the CPU count, at least 4 and at most
-            16, and at most the epoch's shards.
-        block_length: consecutive records taken from one shard. Default: ``1``.
+        cycle_length: shards read at once. With ``reader="growcache"``, the readers of this
+            pipeline, one thread each; each reads whole shards and forms its own batches, so
+            an epoch may end with up to this many partial batches. Under ``input_context``
+            with several pipelines, each pipeline has one reader. Default: the CPU count, at
+            most 4 (``reader="growcache"``); the CPU count, at least 4 and at most 16, and at
+            most the epoch's shards (``reader="tensorflow"``).
+        block_length: consecutive records taken from one shard (``reader="tensorflow"``).
+            Default: ``1``.
         drop_remainder: drop the final partial batch. Default: ``False``.
         input_context: from ``strategy.distribute_datasets_from_function``. The pipelines of
             a group read one snapshot per epoch, the one their first pipeline took (in one
@@ -107,14 +125,22 @@ def make_tf_dataset(
             Default: ``None`` (elements are a dict of tensors).
         features: the schema, for a cache that has none stored; must equal the stored one
             otherwise. Default: ``None`` (the cache's schema).
-        verify: check every CRC of each shard, its record lengths and record count with
-            growcache's reader before TensorFlow opens it, so a corrupt or crafted shard
-            never reaches TensorFlow's reader. Default: ``True``.
+        verify: check every record's CRC32Cs. Lengths, framing and each shard's record
+            count against its name are checked in any case. With ``reader="growcache"`` the
+            checks run as records are read, before the batch holding them is delivered;
+            TensorFlow's reader is not used. With ``reader="tensorflow"`` each shard is
+            checked whole by growcache before TensorFlow opens it, so a corrupt or crafted
+            shard never reaches TensorFlow's reader (which checks the CRCs again). ``False``
+            with ``reader="tensorflow"`` leaves the shards unchecked until TensorFlow's reader
+            reads them. Default: ``True``.
         on_corrupt: ``"raise"``: a corrupt shard stops the epoch with
             :class:`~growcache.CorruptShardError` naming the file and offset (inside Keras,
-            a ``tf.errors.OpError`` whose message carries it). ``"skip"``: the shard is
-            skipped whole, logged and noted in the dataset's ``skipped`` list.
-            Default: ``"raise"``.
+            a ``tf.errors.OpError`` whose message carries it); with ``reader="growcache"``,
+            after the batches completed before the bad record. ``"skip"``: with
+            ``reader="growcache"`` the rest of the shard from the bad record on is skipped
+            (its earlier records were delivered); with ``reader="tensorflow"`` the shard is
+            skipped whole. Either way it is logged and noted in the dataset's ``skipped``
+            list. Default: ``"raise"``.
         wait_for_shards: seconds an epoch waits for a first shard when the cache is empty,
             then raises :class:`EmptyCacheError`. ``0`` raises at construction if the cache
             is empty now. Default: ``0.0``.
@@ -122,13 +148,21 @@ def make_tf_dataset(
             ``(seed, epoch)`` fixes the record order too. ``False`` lets a slow shard be
             overtaken. Default: ``True``.
         read_buffer: read buffer of each ``TFRecordDataset``, in bytes; ``cycle_length``
-            of them are live at once. Default: 8 MiB (TensorFlow's own 256 KiB cost about
-            25% more CPU per GB here, for 1 MiB records).
+            of them are live at once (``reader="tensorflow"``). Default: 8 MiB (TensorFlow's
+            own 256 KiB cost about 25% more CPU per GB here, for 1 MiB records).
         split: which input pipelines share one snapshot per epoch: ``"shared"``, all of
             them; ``"node"``, those of this process (one worker per machine, each with its own
             cache). Default: ``"shared"``.
         run_id: keeps this run's epoch files apart from another's. Default: ``None``
             (``$GROWCACHE_RUN_ID``, or none).
+        reader: ``"growcache"``: growcache's vectorized reader
+            (:class:`~growcache.vector_reader.VectorReader`) reads the shards into batches,
+            one Python call per batch, and hands them to TensorFlow without a copy (large
+            features are views of reused page-aligned slots; small ones are copied). A schema
+            with ``int64_list`` features, whose records have no fixed layout, is read by
+            TensorFlow instead. ``"tensorflow"``: an interleave of ``TFRecordDataset``, a
+            ``Dataset.shuffle`` buffer and batched ``parse_example`` in TensorFlow's runtime.
+            Default: ``"growcache"``.
 
     Returns:
         The dataset. Its elements hold the schema's dtypes with shapes ``(batch, *shape)``.
@@ -152,12 +186,19 @@ def make_tf_dataset(
                            run_id=run_id)
     if block_length < 1 or (cycle_length is not None and cycle_length < 1):
         raise ValueError("block_length and cycle_length must be >= 1")
+    if reader not in _READERS:
+        raise ValueError(f"reader must be one of {_READERS}, got {reader!r}")
     if wait_for_shards == 0 and not cache.list_shards():
         raise EmptyCacheError(
             f"cache {cache.path} holds no shard yet: start a SamplerPool (and pool.wait_for(records=...)) "
             "or write shards first, or pass wait_for_shards=SECONDS to wait for the first one"
         )
     world = (input_context.input_pipeline_id, input_context.num_input_pipelines) if input_context else (0, 1)
+    if reader == "growcache" and ExampleCodec(schema).fixed_layout:
+        # Several pipelines: one reader each, whose top up covers all of the pipeline's shards,
+        # so that a pipeline that skips a corrupt shard still yields its share of batches.
+        readers = 1 if world[1] > 1 else cycle_length or min(os.cpu_count() or 1, 4)
+        return _vectorized(cache, schema, options, world, label, readers, deterministic)
     epochs = Epochs(cache, options, world=world, schema=schema, holder=f"tf pipeline {world[0]}/{world[1]}",
                     abandon_hint=_ABANDONED)
     pipeline = _Pipeline(epochs)
@@ -204,6 +245,174 @@ def make_tf_dataset(
     return ds
 
 
+def _vectorized(cache: Cache, schema: Schema, options: EpochOptions, world: tuple[int, int], label: str | None,
+                readers: int, deterministic: bool) -> tf.data.Dataset:
+    """The pipeline of ``reader="growcache"``: ``readers`` readers per pipeline, each one a
+    :class:`~growcache.batching.ReaderSpec` reader over its share, pulled a batch per call."""
+    epochs = Epochs(cache, options, readers=readers, world=world, schema=schema,
+                    holder=f"tf pipeline {world[0]}/{world[1]}", abandon_hint=_ABANDONED)
+    pipeline = _Pipeline(epochs)
+    feed = _Feed(epochs, pipeline)
+    specs = [(name, tf.as_dtype(spec.dtype), spec.shape) for name, spec in schema.items()]
+    rows = options.batch_size if options.drop_last else None
+
+    def batches_of(token, index):
+        def pull(_unused):
+            out = tf.numpy_function(feed.pull, [token, index], [tf.int64] + [d for _, d, _ in specs], stateful=True)
+            return out[0], tuple(out[1:])
+
+        # One call per batch until the reader's share is read (a batch of 0 rows ends it).
+        return tf.data.Dataset.range(2**62).map(pull).take_while(lambda count, _: count > 0)
+
+    def read_epoch(token):
+        return tf.data.Dataset.range(readers).interleave(
+            lambda index: batches_of(token, index), cycle_length=readers, block_length=1,
+            num_parallel_calls=readers, deterministic=deterministic)
+
+    def element(_count, arrays):
+        # With drop_remainder every batch is full: keep that static, as Dataset.batch would.
+        out = {name: tf.ensure_shape(array, [rows, *shape]) for (name, _, shape), array in zip(specs, arrays)}
+        return out if label is None else (out, out.pop(label))
+
+    ds = tf.data.Dataset.range(1).map(feed.start_op).flat_map(read_epoch)  # the map runs once per iterator
+    ds = ds.map(element).prefetch(tf.data.AUTOTUNE)
+    ds = _IteratorTrackingDataset(ds, pipeline)
+    ds.skipped = ds.corrupt_shards = epochs.skipped
+    return ds
+
+
+class _Feed:
+    """The Python side of ``reader="growcache"``: each epoch's readers, pulled one batch per call.
+
+    A reader's batches land in slots of its own :class:`~growcache.transport.Slab` and reach
+    TensorFlow as zero-copy views (a tensor keeps its slot until it is collected), so a batch
+    costs no copy beyond the reader's own. An epoch ends once all its readers are read out,
+    or with its iterator (:class:`_Pipeline`).
+    """
+
+    def __init__(self, epochs: Epochs, pipeline: _Pipeline) -> None:
+        self.epochs = epochs
+        self.pipeline = pipeline
+        self.names = list(epochs.reader.schema)
+        self._layout = BatchLayout.from_schema(epochs.reader.schema, epochs.reader.batch_size)
+        self._lock = threading.Lock()
+        self._open: dict[int, _EpochReaders] = {}
+        self._slabs: list[Slab] = []  # free slabs: each serves one reader at a time
+        pipeline.on_abandon = self._drop_ended
+
+    def start_op(self, _unused: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(tf.numpy_function(self.start, [], tf.int64, stateful=True), [])
+
+    def start(self) -> np.int64:
+        self._drop_ended()
+        try:
+            epoch = self.epochs.start()
+        except GrowcacheError as exc:
+            self.pipeline._note(exc)
+            raise
+        with self._lock:
+            self._open[epoch.token] = _EpochReaders(epoch)
+        return np.int64(epoch.token)
+
+    def pull(self, token: np.int64, index: np.int64) -> list[np.ndarray]:
+        """The next batch of reader ``index`` of epoch ``token``: ``[rows, *arrays]``; 0 rows at its end."""
+        with self._lock:
+            state = self._open.get(int(token))
+        if state is None or state.epoch.ended:
+            return self._empty()
+        reader = int(index)
+        batches = state.readers.get(reader)
+        if batches is None:
+            batches = state.readers[reader] = self._read(state.epoch, reader)
+        try:
+            item = next(batches, None)
+        except GrowcacheError as exc:
+            self.pipeline._note(exc)
+            raise
+        if item is None:
+            with self._lock:
+                state.done.add(reader)
+                finished = len(state.done) == self.epochs.readers
+                if finished:
+                    self._open.pop(state.epoch.token, None)
+            if finished:
+                state.epoch.end()
+            return self._empty()
+        return item
+
+    def _read(self, epoch: Epoch, index: int):
+        slab = self._take_slab()
+        schema = self.epochs.reader.schema
+
+        def allocate(rows: int) -> tuple[Any, dict[str, np.ndarray]]:
+            claimed = slab.acquire(rows)
+            if claimed is None:  # the training step holds every slot (kept batches)
+                return None, {name: _aligned_empty((rows, *spec.shape), spec.dtype) for name, spec in schema.items()}
+            return claimed
+
+        def release(key: Any) -> None:
+            if key is not None:
+                slab.give_back(key)
+
+        try:
+            for item in self.epochs.reader.build().batches(epoch.share(index), allocate, release):
+                if isinstance(item, Skipped):
+                    self.epochs.note_skipped(item)
+                    continue
+                key, arrays, rows = item
+                if key is None:  # every slot is held: fresh memory
+                    arrays = {name: array[:rows] for name, array in arrays.items()}
+                else:
+                    arrays = slab.open(key._replace(records=rows), copy_below=_COPY_BELOW)
+                yield [np.int64(rows), *(arrays[name] for name in self.names)]
+        finally:
+            self._give_slab(slab)
+
+    def _take_slab(self) -> Slab:
+        with self._lock:
+            slab = self._slabs.pop() if self._slabs else None
+        if slab is None:
+            return Slab(self._layout, self.epochs.reader.window_batches + _SPARE_SLOTS)
+        slab.reclaim(slab.held_tokens())  # slots an abandoned reader claimed and never handed out
+        return slab
+
+    def _give_slab(self, slab: Slab) -> None:
+        with self._lock:
+            self._slabs.append(slab)
+
+    def _empty(self) -> list[np.ndarray]:
+        return [np.int64(0), *(np.empty((0, *s.shape), s.dtype) for s in self.epochs.reader.schema.values())]
+
+    def _drop_ended(self) -> None:
+        """Forget the readers of epochs that ended (abandoned ones included); their slabs return."""
+        with self._lock:
+            ended = [token for token, state in self._open.items() if state.epoch.ended]
+            dropped = [self._open.pop(token) for token in ended]
+        for state in dropped:
+            for batches in state.readers.values():
+                try:
+                    batches.close()  # gives its slab back
+                except ValueError:  # still running in a TensorFlow thread: it stops at its next pull
+                    pass
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array TensorFlow takes without a copy: its data 64-byte aligned."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+class _EpochReaders:
+    __slots__ = ("epoch", "readers", "done")
+
+    def __init__(self, epoch: Epoch) -> None:
+        self.epoch = epoch
+        self.readers: dict[int, Any] = {}
+        self.done: set[int] = set()
+
+
 def _default_cycle() -> int:
     # Enough shards in flight to keep every core parsing, few enough to keep reads sequential.
     return min(max(4, os.cpu_count() or 4), 16)
@@ -235,7 +444,8 @@ def _batch_parser(schema: Schema, label: str | None, rows: int = -1):
                      f"[{low}, {high}]; use a wider dtype in the schema. Values:", values], summarize=8)
                 with tf.control_dependencies([check]):
                     values = tf.cast(values, dtype)
-            out[name] = tf.reshape(values, [rows, *p.shape])
+            # The batch's row count, not -1: -1 cannot be inferred for a feature of zero size.
+            out[name] = tf.reshape(values, [rows if rows >= 0 else tf.shape(serialized)[0], *p.shape])
         if label is None:
             return out
         target = out.pop(label)
@@ -256,6 +466,7 @@ class _Pipeline:
         # iterators may exist that track() never saw.
         self.derived = False
         self.errors: list[GrowcacheError] = []  # raised inside TensorFlow, to re-raise as themselves
+        self.on_abandon: Any = None  # called once abandoned epochs were ended
 
     # -- in-graph hooks ---------------------------------------------------------------------
     def start_epoch_op(self, _unused: tf.Tensor) -> tuple[tf.Tensor, ...]:
@@ -332,6 +543,8 @@ class _Pipeline:
             abandoned = self._live_iterators == 0 and not self.derived
         if abandoned:
             self.epochs.end_all()
+            if self.on_abandon is not None:
+                self.on_abandon()
 
 
 class _Iterator(iterator_ops.OwnedIterator):

@@ -89,7 +89,9 @@ def test_shard_and_record_order_follow_seed_and_epoch(id_cache):
 
 
 def test_lease_lives_until_the_iterator_is_exhausted_or_deleted(id_cache):
-    write_shards(id_cache, [8, 8])
+    # Enough batches that tf.data cannot have read the epoch ahead by the first next(): once
+    # every record is read into memory, the lease may end.
+    write_shards(id_cache, [400, 400])
     ds = make_tf_dataset(id_cache, 2, seed=0, shuffle_buffer=0)
     iterator = iter(ds)
     next(iterator)
@@ -297,7 +299,7 @@ def test_corrupt_shard_raises_growcache_error_before_tensorflow_reads_it(id_cach
         read_epoch(make_tf_dataset(id_cache, 2, seed=0))
     assert info.value.path == bad and info.value.offset == 0
     with pytest.raises(tf.errors.DataLossError):  # without verify, TensorFlow's own reader finds it
-        read_epoch(make_tf_dataset(id_cache, 2, seed=0, verify=False))
+        read_epoch(make_tf_dataset(id_cache, 2, seed=0, verify=False, reader="tensorflow"))
     del info  # its traceback holds the failed iterator, whose deletion ends the epoch
     gc.collect()
     assert id_cache.stats().leases == 0
