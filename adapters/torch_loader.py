@@ -33,12 +33,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
-from growcache.batching import ReaderShare, ReaderSpec, Skipped, growcache_frames
+from growcache.batching import ReaderShare, Skipped, growcache_frames
 from growcache.cache import Cache
 from growcache.device_release import remap_in_worker
 from growcache.adapters.tfrecord_frames import tfrecord_frames
 from growcache.epoch import Epoch, EpochOptions, Epochs
 from growcache.errors import GrowcacheError
+from growcache.readers import ReaderSpec
 from growcache.transport import BatchLayout, Slab, SlotHandle
 
 __all__ = ["make_torch_loader", "tfrecord_frames"]

@@ -28,10 +28,10 @@ __all__ = [
     "BatchReader",
     "Frames",
     "ReaderShare",
-    "ReaderSpec",
     "Skipped",
     "default_shuffle_buffer",
     "growcache_frames",
+    "window_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,44 +107,9 @@ class ReaderShare:
         return int(self.records[self.shards].sum())
 
 
-@dataclass(frozen=True)
-class ReaderSpec:
-    """How every reader of an epoch reads: picklable, so it crosses into worker processes.
-
-    :meth:`build` makes the reader; a faster reader for some shards plugs in there, and every
-    adapter that reads records in Python gets it.
-
-    Attributes:
-        schema: the records' schema.
-        batch_size: rows per batch.
-        verify: check every record's CRC32C. Default: ``True``.
-        on_corrupt: ``"raise"`` or ``"skip"``. Default: ``"raise"``.
-        drop_last: drop each reader's final partial batch. Default: ``False``.
-        shuffle_buffer: records shuffled together (see :class:`BatchReader`). Default: ``0``.
-    """
-
-    schema: Schema
-    batch_size: int
-    verify: bool = True
-    on_corrupt: str = "raise"
-    drop_last: bool = False
-    shuffle_buffer: int = 0
-
-    def build(self, frames: Frames | None = None) -> BatchReader:
-        """The reader. With growcache's framing (the default) it is the vectorized
-        :class:`~growcache.vector_reader.VectorReader`, which reads fixed-layout shards a piece
-        at a time and everything else record by record; another framing function ``frames``
-        gets the record-by-record reader."""
-        from .vector_reader import VectorReader  # it builds on this module
-
-        kind = VectorReader if frames is None or frames is growcache_frames else BatchReader
-        return kind(self.schema, self.batch_size, frames=frames or growcache_frames, verify=self.verify,
-                    on_corrupt=self.on_corrupt, drop_last=self.drop_last, shuffle_buffer=self.shuffle_buffer)
-
-    @property
-    def window_batches(self) -> int:
-        """Batches of one shuffle window (the slots a reader fills at once)."""
-        return max(2, -(-self.shuffle_buffer // self.batch_size)) if self.shuffle_buffer else 1
+def window_batches(shuffle_buffer: int, batch_size: int) -> int:
+    """Batches of one shuffle window of ``shuffle_buffer`` records (``1``: no shuffle)."""
+    return max(2, -(-shuffle_buffer // batch_size)) if shuffle_buffer else 1
 
 
 class BatchReader:
@@ -192,7 +157,7 @@ class BatchReader:
         self.drop_last = drop_last
         self.shuffle_buffer = int(shuffle_buffer)
         #: batches of one shuffle window (1: no shuffle).
-        self.window_batches = ReaderSpec(schema, self.batch_size, shuffle_buffer=self.shuffle_buffer).window_batches
+        self.window_batches = window_batches(self.shuffle_buffer, self.batch_size)
         self.records_read = 0
         self.records_skipped = 0
 

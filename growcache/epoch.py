@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from . import errors as _errors
-from .batching import ReaderShare, ReaderSpec, Skipped, default_shuffle_buffer
+from .batching import ReaderShare, Skipped, default_shuffle_buffer
 from .cache import Cache
 from .errors import (
     CorruptShardError,
@@ -51,6 +51,7 @@ from .errors import (
     SchemaMismatchError,
 )
 from .planning import EpochPlan, plan_epoch, reader_seed
+from .readers import ReaderSpec
 from .records import check_records
 from .schema import Schema
 from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
@@ -292,7 +293,7 @@ class Epochs:
     Attributes:
         epoch: the epoch the next :meth:`start` reads.
         skipped: every :class:`~growcache.batching.Skipped` shard, oldest first.
-        reader: the :class:`~growcache.batching.ReaderSpec` every reader of these epochs uses.
+        reader: the :class:`~growcache.readers.ReaderSpec` every reader of these epochs uses.
     """
 
     def __init__(
