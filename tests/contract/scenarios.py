@@ -142,6 +142,17 @@ def seed_and_epoch_fix_the_order(driver: Any, tmp_path: Any) -> None:
 
 
 @scenario()
+def entries_that_are_not_regular_files_never_reach_a_reader(driver: Any, tmp_path: Any) -> None:
+    cache = _cache(tmp_path)
+    written = write_shards(cache, [4, 5])
+    os.mkdir(os.path.join(cache.shards_dir, "000000000007-3r-300b.tfrecord"))  # named like a shard
+    os.symlink(cache.list_shards()[0].path, os.path.join(cache.shards_dir, "000000000008-4r-728b.tfrecord"))
+    reader = driver.make(cache, 2, readers=2, on_corrupt="raise")
+    assert sorted(_flat(driver.epoch(reader))) == written
+    assert driver.skipped(reader) == []
+
+
+@scenario()
 def shared_arguments_have_one_default(driver: Any, tmp_path: Any) -> None:
     make = driver.make_loader if driver.name == "torch" else driver.make_dataset
     params = inspect.signature(make).parameters
