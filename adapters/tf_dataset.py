@@ -59,7 +59,7 @@ _READERS = ("growcache", "tensorflow")
 _COPY_BELOW = 256 << 10
 # Slots per reader beyond its shuffle window: batches in tf.data's buffers and the one the
 # training step holds. When every slot is held, a batch gets fresh memory instead.
-_SPARE_SLOTS = 6
+_SPARE_SLOTS = 4
 
 
 def make_tf_dataset(

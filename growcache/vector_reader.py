@@ -321,7 +321,7 @@ class _Window:
         # their memory allows it, and where each batch sits in it: one scatter per feature.
         self.spans: list[tuple[np.ndarray, np.ndarray] | None] = []
         # Per batch, each non-empty payload's rows as one flat buffer (records read in place).
-        self.direct = reader._fixed is not None and reader._fixed.direct
+        self.direct = reader._fixed.direct
         self.flats: list[list[tuple[memoryview, int]] | None] = []
 
     def open(self) -> None:
@@ -486,9 +486,6 @@ class VectorReader(BatchReader):
     ) -> Iterator[Batch | Skipped]:
         """Yield ``(key, arrays, rows)`` per batch and a :class:`Skipped` per skipped shard,
         exactly as :meth:`BatchReader.batches` does."""
-        if self._fixed is None:
-            yield from super().batches(share, allocate, release)
-            return
         decoder = BatchDecoder(self.codec, self.window_batches)  # a window's staging rows in one block
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
