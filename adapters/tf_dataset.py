@@ -110,9 +110,10 @@ def make_tf_dataset(
         cycle_length: shards read at once. With ``reader="growcache"``, the readers of this
             pipeline, one thread each; each reads whole shards and forms its own batches, so
             an epoch may end with up to this many partial batches. Under ``input_context``
-            with several pipelines, each pipeline has one reader. Default: the CPU count, at
-            most 4 (``reader="growcache"``); the CPU count, at least 4 and at most 16, and at
-            most the epoch's shards (``reader="tensorflow"``).
+            with several pipelines, each pipeline has one reader. Default: half the CPU
+            count, at least 1 and at most 4 (``reader="growcache"``: the other half runs
+            TensorFlow and the training step); the CPU count, at least 4 and at most 16, and
+            at most the epoch's shards (``reader="tensorflow"``).
         block_length: consecutive records taken from one shard (``reader="tensorflow"``).
             Default: ``1``.
         drop_remainder: drop the final partial batch. Default: ``False``.
@@ -197,7 +198,7 @@ def make_tf_dataset(
     if reader == "growcache" and ExampleCodec(schema).fixed_layout:
         # Several pipelines: one reader each, whose top up covers all of the pipeline's shards,
         # so that a pipeline that skips a corrupt shard still yields its share of batches.
-        readers = 1 if world[1] > 1 else cycle_length or min(os.cpu_count() or 1, 4)
+        readers = 1 if world[1] > 1 else cycle_length or min(max((os.cpu_count() or 1) // 2, 1), 4)
         return _vectorized(cache, schema, options, world, label, readers, deterministic)
     epochs = Epochs(cache, options, world=world, schema=schema, holder=f"tf pipeline {world[0]}/{world[1]}",
                     abandon_hint=_ABANDONED)
