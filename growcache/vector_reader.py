@@ -188,19 +188,21 @@ def _preadv_exactly(fd: int, buffers: list[Any], offset: int, path: str) -> None
 class _Shard:
     """An open shard of fixed frames, read a piece at a time; :meth:`open` says whether it is one."""
 
-    def __init__(self, path: str, fixed: _FixedFrames, records: int, fd: int) -> None:
+    def __init__(self, path: str, fixed: _FixedFrames, records: int, fd: int,
+                 buffer: tuple[np.ndarray, memoryview]) -> None:
         self.path = path
         self.fixed = fixed
         self.records = records
         self.fd = fd
-        piece = min(fixed.piece, max(records, 1))
-        if fixed.direct:
-            self.buffer, self.view = _aligned(piece * fixed.scratch)
-        else:
-            self.buffer, self.view = _aligned(piece * fixed.frame)
+        self.buffer, self.view = buffer
+
+    @staticmethod
+    def buffer(fixed: _FixedFrames) -> tuple[np.ndarray, memoryview]:
+        """The read buffer for one piece; a reader reuses it for all its shards."""
+        return _aligned(fixed.piece * (fixed.scratch if fixed.direct else fixed.frame))
 
     @classmethod
-    def open(cls, path: str, fixed: _FixedFrames) -> _Shard | None:
+    def open(cls, path: str, fixed: _FixedFrames, buffer: tuple[np.ndarray, memoryview]) -> _Shard | None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -214,11 +216,10 @@ class _Shard:
         if records is None:
             os.close(fd)
             return None
-        return cls(path, fixed, records, fd)
+        return cls(path, fixed, records, fd, buffer)
 
     def close(self) -> None:
         os.close(self.fd)
-        self.view.release()
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[memoryview]]:
         """Frames ``[start, start + count)`` into the buffer (valid until the next call).
@@ -495,6 +496,7 @@ class VectorReader(BatchReader):
         decoder = BatchDecoder(self.codec, self.window_batches)  # a window's staging rows in one block
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
+        buffer = _Shard.buffer(self._fixed)
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         passes_without_records = 0
         for index in self._shard_order(share):
@@ -503,7 +505,7 @@ class VectorReader(BatchReader):
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for item in self._read_shard(path, window, remaining):
+                for item in self._read_shard(path, window, remaining, buffer):
                     if isinstance(item, int):
                         got += item
                         remaining -= item
@@ -524,12 +526,13 @@ class VectorReader(BatchReader):
         if window.entries:
             yield from window.close()
 
-    def _read_shard(self, path: str, window: _Window, remaining: int) -> Iterator[int | Batch]:
+    def _read_shard(self, path: str, window: _Window, remaining: int,
+                    buffer: tuple[np.ndarray, memoryview]) -> Iterator[int | Batch]:
         """Place up to ``remaining`` records of one shard; yield the counts placed, and the
         batches of every window that fills. Raises :class:`CorruptShardError` where the
         record-by-record reader would, after placing the same records before it."""
         fixed = self._fixed
-        shard = _Shard.open(path, fixed)
+        shard = _Shard.open(path, fixed, buffer)
         done = 0
         if shard is not None:
             try:
