@@ -348,13 +348,18 @@ def test_store_restart_mid_sampling_is_survived(s3_server, s3):
     rng = np.random.default_rng(0)
     source(rng)
     s3_server.stop()
-    restart = threading.Timer(1.0, s3_server.start)
-    restart.start()
+    result: dict = {}
+    reader = threading.Thread(target=lambda: result.update(window=source(rng)["x"]))
+    reader.start()  # blocks on refused connections until the server is back
     try:
-        window = source(rng)["x"]  # blocks on refused connections until the server is back
+        deadline = time.monotonic() + 60
+        while source.retries < 1 and reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert source.retries >= 1, "the read never met the stopped server"
     finally:
-        restart.join()
-    assert window.shape == (3, 2) and source.retries >= 1
+        s3_server.start()  # the restart comes only after a refused attempt was seen
+        reader.join(60)
+    assert result["window"].shape == (3, 2)
 
 
 class _Throttling(http.server.BaseHTTPRequestHandler):
