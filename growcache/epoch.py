@@ -15,8 +15,10 @@ is not framework wiring happens here:
    one meaning in every adapter. With ``split="node"`` and a collective rendezvous, the
    groups also agree on one batch count.
 4. **The lease lifetime.** :meth:`Epoch.end` releases the epoch's lease; adapters call it
-   when every reader of the epoch is done, or will never read again. An :class:`Epochs`
-   bounds the epochs left open by abandoned iterators.
+   when every reader of the epoch is done, or will never read again (:meth:`Epochs.leave`
+   counts readers for an adapter with several per epoch). An :class:`Epochs` bounds the
+   epochs left open by abandoned iterators. Inside :func:`trainer_epoch`, every start reads
+   the trainer's epoch, and readers that start it again join it.
 5. **The corrupt-shard report.** :attr:`Epochs.skipped` lists every shard passed over
    with ``on_corrupt="skip"``, and :meth:`Epochs.check_shard` verifies a shard before a
    reader that growcache does not control (TensorFlow's) opens it.
@@ -27,13 +29,14 @@ is not framework wiring happens here:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +73,7 @@ __all__ = [
     "node_name",
     "resolve_schema",
     "run_id",
+    "trainer_epoch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,6 +264,43 @@ def resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None = N
     return cache.schema
 
 
+_PIN_LOCK = threading.Lock()
+_pinned: int | None = None
+_waiting: set[Epoch] = set()  # pinned epochs that every reader left before their end
+
+
+@contextlib.contextmanager
+def trainer_epoch(number: int) -> Iterator[None]:
+    """Every epoch started inside the block reads epoch ``number``, the trainer's.
+
+    Keras under ``tf.distribute`` opens a fresh iterator at every ``fit()`` and reads one
+    batch from it before the epoch's own iterator starts. Inside this block the two are one
+    epoch: the second start joins the first (one snapshot, one lease, one agreement among
+    the ranks), so the extra batch neither shifts the ``(seed, epoch)`` order nor holds a
+    lease of its own. An epoch that all its readers left before its end stays open for the
+    next one until the block exits, then ends. :func:`growcache.fit_growing` wraps each
+    epoch in it, so that a resumed run (``initial_epoch``) reads the order of its epoch; a
+    custom training loop can too. One block at a time per process.
+
+    Args:
+        number: the trainer's epoch.
+    """
+    global _pinned
+    with _PIN_LOCK:
+        if _pinned is not None:
+            raise RuntimeError(f"trainer_epoch({number}) inside trainer_epoch({_pinned}): one at a time per process")
+        _pinned = int(number)
+    try:
+        yield
+    finally:
+        with _PIN_LOCK:
+            _pinned = None
+            waiting = [epoch for epoch in _waiting if epoch._readers == 0]
+            _waiting.clear()
+        for epoch in waiting:
+            epoch.end()
+
+
 _ORDINALS: dict[tuple, int] = {}
 _MEMBERS: dict[tuple, set[int]] = {}
 _MODES: dict[tuple, str] = {}
@@ -413,7 +454,13 @@ class Epochs:
             EpochSyncError: the ranks could not agree (see :mod:`growcache.rendezvous`).
         """
         group = self.group
-        number = self.epoch
+        number = _pinned if _pinned is not None else self.epoch
+        if _pinned is not None:
+            with self._lock:
+                joined = next((e for e in self._open.values() if e.number == number), None)
+                if joined is not None:
+                    joined._readers += 1
+                    return joined
         options = self.options
         agreement = None
         if self._rendezvous is None:
@@ -486,6 +533,14 @@ class Epochs:
                 " and drop_last=True" if options.drop_last else "")
         return epoch
 
+    def set_epoch(self, number: int) -> None:
+        """Read epoch ``number`` next; if it is the epoch being read now (the latest started, still
+        open), go on with ``number + 1``. Trainers (Lightning) announce an epoch after its
+        iterator was made, so that announcement must not make the next epoch repeat it."""
+        with self._lock:
+            latest = next(reversed(self._open.values()), None)
+            self.epoch = int(number) + 1 if latest is not None and latest.number == int(number) else int(number)
+
     def open_epochs(self) -> list[Epoch]:
         """Epochs started and not yet ended, oldest first."""
         with self._lock:
@@ -531,6 +586,28 @@ class Epochs:
         with self._lock:
             epoch = self._open.get(int(token))
         if epoch is not None:
+            epoch.end()
+
+    def leave(self, token: int, finished: bool) -> None:
+        """One reader of epoch ``token`` is done: it read to the end (``finished``), or it is gone.
+
+        The epoch ends when its last reader leaves, unless none finished it and it is the
+        epoch of the enclosing :func:`trainer_epoch`: then it waits for the trainer's next
+        reader, or the end of the block.
+        """
+        with self._lock:
+            epoch = self._open.get(int(token))
+            if epoch is None:
+                return
+            epoch._readers -= 1
+            epoch._finished |= finished
+            if epoch._readers > 0:
+                return
+        with _PIN_LOCK:
+            hold = not epoch._finished and _pinned == epoch.number
+            if hold:
+                _waiting.add(epoch)
+        if not hold:
             epoch.end()
 
     def note_skipped(self, note: Skipped) -> None:
@@ -605,6 +682,8 @@ class Epoch:
     plan: EpochPlan
     _agreement: Any = None
     _ended: bool = field(default=False, repr=False)
+    _readers: int = field(default=1, repr=False)  # see Epochs.leave
+    _finished: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         shards = self.snapshot.shards

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceError",
     "EmptyCacheError",
     "EpochSyncError",
+    "ForeignLoaderError",
     "GrowcacheError",
     "MissingExtraError",
     "RefusedFileError",
@@ -107,3 +108,18 @@ class CompressedFileError(GrowcacheError, ValueError):
 class EpochSyncError(GrowcacheError, RuntimeError):
     """The ranks of a group could not agree on an epoch: the first rank's epoch did not arrive
     in time, or a shard it leased is gone."""
+
+
+class ForeignLoaderError(GrowcacheError, RuntimeError):
+    """growcache's dataset is read by a ``DataLoader`` that ``make_torch_loader`` did not build
+    (Accelerate's ``prepare(..., loader)`` and similar wrappers rebuild one around
+    ``loader.dataset``), so no epoch was started for it. Without a message, says how to fix it."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or (
+            "growcache's dataset is being read by a DataLoader that make_torch_loader did not build, so no epoch "
+            "was started for it: Accelerate's accelerator.prepare(..., loader), and wrappers like it, rebuild the "
+            "loader around loader.dataset. Pass only the model and optimizer: `model, optimizer = "
+            "accelerator.prepare(model, optimizer)`, and iterate growcache's loader itself; it already splits each "
+            "epoch over the ranks of torch.distributed, with equal batch counts (docs/pytorch.md, Integrations). "
+            "To set the epoch, call set_epoch on growcache's loader, not on its dataset."))
