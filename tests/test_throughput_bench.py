@@ -136,9 +136,10 @@ def test_a_run_that_beats_the_limit_is_not_published(quick, tmp_path):
     clean = copy.deepcopy(results)
     for cache in ("figures", "figures_cold"):
         for per in clean[cache].values():
+            per["plain_read"]["MBps"]["median"] = per["plain_read_cores"]["MBps"]["median"] / 2  # cores: the limit
             top = per["plain_read_cores"]["MBps"]["max"]
             for name, fig in per.items():
-                if name != "plain_read_cores":
+                if not name.startswith("plain_read"):
                     fig["MBps"]["median"] = min(fig["MBps"]["median"], top)
     assert bench.limit_violations(clean) == []
     broken = copy.deepcopy(clean)
