@@ -22,6 +22,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from growcache.epoch import trainer_epoch
+
 __all__ = ["fit_growing"]
 
 logger = logging.getLogger(__name__)
@@ -120,7 +122,9 @@ def fit_growing(
     logs: dict | None = None
     for epoch in range(start, epochs):
         data = dataset(epoch) if callable(dataset) and not isinstance(dataset, tf.data.Dataset) else dataset
-        with warnings.catch_warnings():
+        # Keras under tf.distribute reads a batch from a fresh iterator before each fit()'s epoch:
+        # pinned to the trainer's epoch, both iterators read this one epoch of the dataset.
+        with warnings.catch_warnings(), trainer_epoch(epoch):
             warnings.filterwarnings("ignore", message=_RAN_OUT)
             history = model.fit(
                 data, epochs=epoch + 1, initial_epoch=epoch, callbacks=run, verbose=verbose, **fit_kwargs

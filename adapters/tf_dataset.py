@@ -2,37 +2,38 @@
 
 The epoch (snapshot, agreement between input pipelines, plan, lease, corrupt-shard report,
 defaults) is the core's :class:`growcache.epoch.Epochs`. This module bridges it to
-``tf.data``. Every new iterator over the dataset is one epoch. Its first stage,
-``Dataset.range(1).map(numpy_function)``, runs once per iterator: it starts the epoch and
-returns this pipeline's share (shard paths, top-up paths, quota, shuffle seed) as tensors.
+``tf.data``. Every new iterator over the dataset is one epoch. Its first stage runs once per
+iterator: it starts the epoch and returns this pipeline's share (shard paths, top-up paths,
+quota, shuffle seed) as tensors.
 Everything after that runs in TensorFlow's C++ runtime: an interleave of ``TFRecordDataset``
 over the paths (each shard checked by growcache first, when verifying), a record shuffle
 buffer, ``batch``, batched ``tf.io.parse_example``, ``tf.io.decode_raw`` and ``reshape``,
 ``prefetch``.
 
-The epoch ends at the first of: the last record of the epoch leaving the read stages (an
-empty dataset concatenated after them makes one Python call when it is pulled), or the
-deletion of the iterator (a hook on ``iter()``).
-
-Why no ``from_generator``: a ``GeneratorDataset`` anywhere in a pipeline (even one that
-yields a single element) cost 2-3x the CPU per record and 0.3x the throughput of the same
-interleave + parse pipeline on TensorFlow 2.21. ``Dataset.range(1).map(numpy_function)`` runs
-the same Python once per iterator at no such cost, but gives no hook when the iterator is
-deleted early; :class:`_IteratorTrackingDataset` gives that.
+That first stage is a ``GeneratorDataset`` of one element, nested in a ``flat_map`` of
+``Dataset.range(1)``. TensorFlow runs its finalizer when the C++ iterator holding it goes away,
+whoever made that iterator (``iter()``, a derived ``ds.map(...)``, ``tf.distribute``, Keras, a
+``tf.function`` loop) and whoever still holds the dataset. So the iterator's reader leaves the
+epoch (:meth:`growcache.epoch.Epochs.leave`) at the first of: its second pull, which comes
+once every record of the epoch has left the read stages, or the iterator's teardown. No lease
+waits for Python's garbage collector. (At the top of a pipeline a ``GeneratorDataset`` would
+turn off TensorFlow's rewrites of the whole pipeline, which cannot be serialized with it; inside
+a ``flat_map`` function it costs nothing per record.)
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.data.ops import dataset_ops, iterator_ops
+from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 from tensorflow.python.framework import ops
 
 from growcache.batching import Skipped
@@ -47,10 +48,8 @@ __all__ = ["make_tf_dataset"]
 
 logger = logging.getLogger(__name__)
 
-_ABANDONED = (
-    ", and growcache cannot see an iterator over a dataset derived from its own (ds.map(...), tf.distribute, "
-    "Keras) go away. Read epochs to the end, or break out of loops over the dataset make_tf_dataset returned "
-    "itself (do per-batch work inside the loop), whose iterators end their epochs when deleted.")
+_ABANDONED = (" (or deleted). Keep at most that many iterators of one dataset alive at a time: delete an "
+              "iterator you stop reading (`del it`), or let it go out of scope.")
 # decode_raw has no unsigned 32/64-bit outputs: decode as the signed type, then bitcast.
 _RAW_AS = {tf.uint32: tf.int32, tf.uint64: tf.int64}
 _READERS = ("growcache", "tensorflow")
@@ -232,16 +231,14 @@ def make_tf_dataset(
         if records_shuffle:
             records = records.shuffle(records_shuffle, seed=shuffle_seed, reshuffle_each_iteration=False)
         # Batched here, so the stages after flat_map cost a call per batch, not per record.
-        batches = records.batch(batch_size, drop_remainder=drop_remainder)
-        # Pulled only once every record of the epoch has left the stages above: the lease ends here.
-        return batches.concatenate(pipeline.end_of_epoch(token))
+        return records.batch(batch_size, drop_remainder=drop_remainder)
 
     # With drop_remainder every batch is full: keep that static, as Dataset.batch would.
     parse = _batch_parser(schema, label, batch_size if drop_remainder else -1)
-    ds = tf.data.Dataset.range(1).map(pipeline.start_epoch_op).flat_map(read_epoch)  # the map runs once per iterator
+    ds = pipeline.epoch_reader(pipeline.start_epoch, _SHARE).flat_map(read_epoch)
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
     ds = ds.prefetch(tf.data.AUTOTUNE)
-    ds = _IteratorTrackingDataset(ds, pipeline)
+    ds = _ErrorMappingDataset(ds, pipeline)
     ds.skipped = ds.corrupt_shards = epochs.skipped
     return ds
 
@@ -275,9 +272,9 @@ def _vectorized(cache: Cache, schema: Schema, options: EpochOptions, world: tupl
         out = {name: tf.ensure_shape(array, [rows, *shape]) for (name, _, shape), array in zip(specs, arrays)}
         return out if label is None else (out, out.pop(label))
 
-    ds = tf.data.Dataset.range(1).map(feed.start_op).flat_map(read_epoch)  # the map runs once per iterator
+    ds = pipeline.epoch_reader(feed.start, (tf.TensorSpec([], tf.int64),)).flat_map(read_epoch)
     ds = ds.map(element).prefetch(tf.data.AUTOTUNE)
-    ds = _IteratorTrackingDataset(ds, pipeline)
+    ds = _ErrorMappingDataset(ds, pipeline)
     ds.skipped = ds.corrupt_shards = epochs.skipped
     return ds
 
@@ -287,8 +284,8 @@ class _Feed:
 
     A reader's batches land in slots of its own :class:`~growcache.transport.Slab` and reach
     TensorFlow as zero-copy views (a tensor keeps its slot until it is collected), so a batch
-    costs no copy beyond the reader's own. An epoch ends once all its readers are read out,
-    or with its iterator (:class:`_Pipeline`).
+    costs no copy beyond the reader's own. Each iterator's readers go when it leaves its epoch
+    (:meth:`_Pipeline.epoch_reader`).
     """
 
     def __init__(self, epochs: Epochs, pipeline: _Pipeline) -> None:
@@ -299,21 +296,14 @@ class _Feed:
         self._lock = threading.Lock()
         self._open: dict[int, _EpochReaders] = {}
         self._slabs: list[Slab] = []  # free slabs: each serves one reader at a time
-        pipeline.on_abandon = self._drop_ended
+        pipeline.on_leave = self._drop
 
-    def start_op(self, _unused: tf.Tensor) -> tf.Tensor:
-        return tf.reshape(tf.numpy_function(self.start, [], tf.int64, stateful=True), [])
-
-    def start(self) -> np.int64:
-        self._drop_ended()
-        try:
-            epoch = self.epochs.start()
-        except GrowcacheError as exc:
-            self.pipeline._note(exc)
-            raise
+    def start(self) -> tuple[np.int64]:
+        """Start (or join) an epoch for a new iterator; its token keys the iterator's readers."""
+        epoch, token = self.pipeline.begin()
         with self._lock:
-            self._open[epoch.token] = _EpochReaders(epoch)
-        return np.int64(epoch.token)
+            self._open[int(token)] = _EpochReaders(epoch)
+        return (token,)
 
     def pull(self, token: np.int64, index: np.int64) -> list[np.ndarray]:
         """The next batch of reader ``index`` of epoch ``token``: ``[rows, *arrays]``; 0 rows at its end."""
@@ -330,14 +320,7 @@ class _Feed:
         except GrowcacheError as exc:
             self.pipeline._note(exc)
             raise
-        if item is None:
-            with self._lock:
-                state.done.add(reader)
-                finished = len(state.done) == self.epochs.readers
-                if finished:
-                    self._open.pop(state.epoch.token, None)
-            if finished:
-                state.epoch.end()
+        if item is None:  # the iterator leaves the epoch once all its readers are read out
             return self._empty()
         return item
 
@@ -384,17 +367,15 @@ class _Feed:
     def _empty(self) -> list[np.ndarray]:
         return [np.int64(0), *(np.empty((0, *s.shape), s.dtype) for s in self.epochs.reader.schema.values())]
 
-    def _drop_ended(self) -> None:
-        """Forget the readers of epochs that ended (abandoned ones included); their slabs return."""
+    def _drop(self, token: int) -> None:
+        """Forget the readers of iterator ``token``, which left its epoch; their slabs return."""
         with self._lock:
-            ended = [token for token, state in self._open.items() if state.epoch.ended]
-            dropped = [self._open.pop(token) for token in ended]
-        for state in dropped:
-            for batches in state.readers.values():
-                try:
-                    batches.close()  # gives its slab back
-                except ValueError:  # still running in a TensorFlow thread: it stops at its next pull
-                    pass
+            state = self._open.pop(token, None)
+        for batches in state.readers.values() if state is not None else ():
+            try:
+                batches.close()  # gives its slab back
+            except ValueError:  # still running in a TensorFlow thread: it stops at its next pull
+                pass
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -406,12 +387,11 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 class _EpochReaders:
-    __slots__ = ("epoch", "readers", "done")
+    __slots__ = ("epoch", "readers")
 
     def __init__(self, epoch: Epoch) -> None:
         self.epoch = epoch
         self.readers: dict[int, Any] = {}
-        self.done: set[int] = set()
 
 
 def _default_cycle() -> int:
@@ -456,58 +436,79 @@ def _batch_parser(schema: Schema, label: str | None, rows: int = -1):
 
 
 class _Pipeline:
-    """The Python side of one input pipeline: one call when an epoch starts, one when it ends,
-    and one per shard when verifying; never one per record."""
+    """The Python side of one input pipeline: one call when an iterator starts its epoch, two when
+    it leaves, and one per shard when verifying; never one per record."""
 
     def __init__(self, epochs: Epochs) -> None:
         self.epochs = epochs
         self._lock = threading.Lock()
-        self._live_iterators = 0
-        # Set once a dataset is built on ours (or anything else reads its graph): from then on
-        # iterators may exist that track() never saw.
-        self.derived = False
+        self._emitted: set[int] = set()
+        self._finished: set[int] = set()
         self.errors: list[GrowcacheError] = []  # raised inside TensorFlow, to re-raise as themselves
-        self.on_abandon: Any = None  # called once abandoned epochs were ended
+        self.on_leave: Any = None  # called with an iterator's token once it left its epoch
 
     # -- in-graph hooks ---------------------------------------------------------------------
-    def start_epoch_op(self, _unused: tf.Tensor) -> tuple[tf.Tensor, ...]:
-        """The ``map`` function that starts an epoch: a token and this pipeline's share."""
-        token, paths, top_up, quota, shuffle_seed = tf.numpy_function(
-            self.start_epoch, [], [tf.int64, tf.string, tf.string, tf.int64, tf.int64], stateful=True
-        )
-        return (tf.reshape(token, []), tf.reshape(paths, [-1]), tf.reshape(top_up, [-1]),
-                tf.reshape(quota, []), tf.reshape(shuffle_seed, []))
+    def epoch_reader(self, start: Any, spec: tuple[tf.TensorSpec, ...]) -> tf.data.Dataset:
+        """One element per iterator, ``start()``'s tuple (whose first item is the iterator's
+        token); the iterator leaves its epoch when it pulls again or is torn down."""
 
-    def end_of_epoch(self, token: tf.Tensor) -> tf.data.Dataset:
-        """An empty dataset of batches whose first pull ends epoch ``token``."""
-        done = tf.data.Dataset.from_tensors(token).map(
-            lambda t: tf.reshape(tf.numpy_function(self.finish_epoch, [t], tf.string, stateful=True), [-1])
-        )
-        return done.filter(lambda _: False)
+        def generator(_unused: tf.Tensor) -> tf.data.Dataset:
+            def first(state):
+                return (tf.reshape(tf.numpy_function(self.emit_once, [state[0]], tf.int64, stateful=True), []),
+                        *state[1:])
+
+            return _GeneratorDataset(
+                (), lambda: [tf.ensure_shape(t, s.shape) for t, s in
+                             zip(tf.numpy_function(start, [], [s.dtype for s in spec], stateful=True), spec)],
+                lambda *state: first(state),
+                lambda token, *_: tf.numpy_function(self.leave, [token], tf.int64, stateful=True), spec)
+
+        return tf.data.Dataset.range(1).flat_map(generator)
 
     def checked_path_op(self, path: tf.Tensor) -> tf.Tensor:
         """The ``map`` function that checks one shard: its path, or ``""`` to skip it."""
         return tf.reshape(tf.numpy_function(self.checked_path, [path], tf.string, stateful=True), [])
 
     # -- Python side --------------------------------------------------------------------------
-    def start_epoch(self) -> tuple[np.ndarray, ...]:
+    def begin(self) -> tuple[Epoch, np.int64]:
+        """Start (or join) an epoch for a new iterator, and that iterator's token: its epoch's
+        token (iterators that join an open epoch share it) and its own number."""
         try:
             epoch = self.epochs.start()
         except GrowcacheError as exc:
             self._note(exc)
             raise
+        return epoch, np.int64(epoch.token << 32 | next(_ITERATORS))
+
+    def start_epoch(self) -> tuple[np.ndarray, ...]:
+        epoch, token = self.begin()
         share = epoch.share(0)
         logger.debug("epoch %d pipeline %d/%d: %d of %d shards", epoch.number, self.epochs.group.world_rank,
                      self.epochs.group.world_size, len(share.shards), len(epoch.shards))
         quota = share.quota if share.quota >= 0 else share.records_owned()
         # top_up is read only once this pipeline's own checked records fall short of its quota.
-        return (np.int64(epoch.token), share.shard_paths(), share.cycle_paths(), np.int64(quota),
-                np.int64(share.shuffle_seed))
+        return token, share.shard_paths(), share.cycle_paths(), np.int64(quota), np.int64(share.shuffle_seed)
 
-    def finish_epoch(self, token: np.int64 | int) -> np.ndarray:
-        """End epoch ``token``; idempotent. Returns no batch (an empty array)."""
-        self.epochs.end(int(token))
-        return np.empty(0, dtype=bytes)
+    def emit_once(self, token: np.int64) -> np.int64:
+        """An iterator's first pull passes its share on; its second ends the generator: every
+        record of the epoch has left the read stages."""
+        with self._lock:
+            if int(token) not in self._emitted:
+                self._emitted.add(int(token))
+                return token
+            self._finished.add(int(token))
+        raise StopIteration  # the generator's end of sequence
+
+    def leave(self, token: np.int64) -> np.int64:
+        """The iterator of ``token`` is done with its epoch, read to the end or torn down; once each."""
+        with self._lock:
+            self._emitted.discard(int(token))
+            finished = int(token) in self._finished
+            self._finished.discard(int(token))
+        if self.on_leave is not None:
+            self.on_leave(int(token))
+        self.epochs.leave(int(token) >> 32, finished)
+        return np.int64(0)
 
     def checked_path(self, raw: bytes) -> bytes:
         """``raw`` once growcache has checked the shard, ``b""`` to skip it; raises if corrupt."""
@@ -530,22 +531,11 @@ class _Pipeline:
         with self._lock:
             self.errors[:] = [*self.errors[-15:], error]  # errors inside derived datasets are never claimed
 
-    def track(self, iterator: Any) -> None:
-        """End abandoned epochs when ``iterator`` is deleted, if it was the only reader."""
-        with self._lock:
-            self._live_iterators += 1
-        weakref.finalize(iterator, self._iterator_deleted)
 
-    def _iterator_deleted(self) -> None:
-        with self._lock:
-            self._live_iterators -= 1
-            # With no iterator of ours alive and no dataset derived from ours (whose iterators
-            # we cannot see), every open epoch was abandoned: nobody can still be reading it.
-            abandoned = self._live_iterators == 0 and not self.derived
-        if abandoned:
-            self.epochs.end_all()
-            if self.on_abandon is not None:
-                self.on_abandon()
+
+_ITERATORS = itertools.count(1)
+_SHARE = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string),
+          tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64))  # token, paths, top up, quota, shuffle seed
 
 
 class _Iterator(iterator_ops.OwnedIterator):
@@ -568,41 +558,15 @@ class _Iterator(iterator_ops.OwnedIterator):
             raise error from None  # TensorFlow has logged its own copy of the traceback
 
 
-class _IteratorTrackingDataset(dataset_ops.UnaryUnchangedStructureDataset):
-    """The finished pipeline, unchanged, plus a hook on every ``iter()`` over it.
-
-    The hook lets the last iterator, deleted mid-epoch, end its epoch's lease at once.
-    Iterators made without ``iter()`` on this object (over a dataset derived from it, by
-    ``tf.distribute`` or a graph-mode loop) cannot be seen; reading this dataset's graph
-    for anything but our own ``iter()`` marks the pipeline as derived, which turns the hook's
-    early release off. Their abandoned epochs end when too many are open (the core's
-    bound) or when the dataset is garbage-collected.
-    """
+class _ErrorMappingDataset(dataset_ops.UnaryUnchangedStructureDataset):
+    """The finished pipeline, unchanged; its eager iterators raise growcache's own errors."""
 
     def __init__(self, dataset: tf.data.Dataset, pipeline: _Pipeline) -> None:
         self._pipeline = pipeline
-        self._own_iter = threading.local()
         super().__init__(dataset, dataset._variant_tensor)  # noqa: SLF001 - the same graph, re-wrapped
 
-    @property
-    def _variant_tensor(self):
-        if not getattr(self._own_iter, "active", False):
-            self._pipeline.derived = True
-        return self._variant_tensor_attr
-
-    @_variant_tensor.setter
-    def _variant_tensor(self, _):
-        raise ValueError("The `_variant_tensor` property cannot be modified.")
-
     def __iter__(self):
-        self._own_iter.active = True
-        try:
-            if tf.executing_eagerly():
-                with ops.colocate_with(self._variant_tensor):
-                    iterator = _Iterator(self, self._pipeline)
-            else:
-                iterator = super().__iter__()
-        finally:
-            self._own_iter.active = False
-        self._pipeline.track(iterator)
-        return iterator
+        if not tf.executing_eagerly():
+            return super().__iter__()
+        with ops.colocate_with(self._variant_tensor):
+            return _Iterator(self, self._pipeline)

@@ -139,16 +139,23 @@ def test_an_untracked_iterator_starting_never_ends_another_ones_live_epoch(id_ca
     del second
 
 
-def test_abandoned_epochs_of_untracked_iterators_hold_at_most_four_leases(id_cache, caplog):
+def test_abandoned_epochs_of_untracked_iterators_end_with_them_and_live_ones_hold_at_most_four_leases(
+        id_cache, caplog):
     write_shards(id_cache, [8, 8])
     derived = make_tf_dataset(id_cache, 2, seed=0, shuffle_buffer=0).map(lambda b: b)
-    for _ in range(6):  # each iterator abandons its epoch after one batch
+    for _ in range(6):  # each iterator abandons its epoch after one batch, and goes
         next(iter(derived))
+        assert id_cache.stats().leases == 0  # its teardown ended the epoch (issue 19)
+    live = [iter(derived) for _ in range(6)]  # kept, each one batch into its epoch
+    for iterator in live:
+        next(iterator)
     assert id_cache.stats().leases == 4
-    assert "ending the lease of the oldest" in caplog.text and "derived from its own" in caplog.text
+    assert "ending the lease of the oldest" in caplog.text and "Keep at most that many iterators" in caplog.text
+    del live, iterator
+    assert id_cache.stats().leases == 0
     whole = iter(derived)
     assert sorted(_drain(whole, [])) == list(range(16))
-    assert id_cache.stats().leases == 3  # a finished epoch ends its own lease at once
+    assert id_cache.stats().leases == 0  # a finished epoch ends its own lease at once
 
 
 def test_eviction_during_an_epoch_spares_leased_shards(tmp_path):
