@@ -18,11 +18,14 @@ report, defaults) is the core's :class:`growcache.epoch.Epochs`; reading and bat
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import os
 import queue as queue_module
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
 from growcache.batching import ReaderShare, Skipped, growcache_frames
@@ -38,7 +41,7 @@ from growcache.cache import Cache
 from growcache.device_release import remap_in_worker
 from growcache.adapters.tfrecord_frames import tfrecord_frames
 from growcache.epoch import Epoch, EpochOptions, Epochs
-from growcache.errors import GrowcacheError
+from growcache.errors import ForeignLoaderError, GrowcacheError
 from growcache.readers import ReaderSpec
 from growcache.transport import BatchLayout, Slab, SlotHandle
 
@@ -55,7 +58,6 @@ _REFUSED = {
     "sampler": "the loader plans each epoch itself (whole shards per rank and worker)",
     "batch_sampler": "batches are formed in the workers: pass batch_size",
     "collate_fn": "batches are formed in the workers from the cache's schema",
-    "worker_init_fn": "workers are set up by the loader",
 }
 
 
@@ -88,14 +90,22 @@ def _to_transport(item: Any) -> Any:
 class _CacheStream(IterableDataset):
     """The dataset every worker iterates: one epoch share per ``__iter__``."""
 
-    def __init__(self, spec: ReaderSpec, reader: str, channels: list[Any], generation: Any) -> None:
+    def __init__(self, spec: ReaderSpec, reader: str, channels: list[Any], generation: Any, taken: Any) -> None:
         self.spec = spec
         self.reader = reader
         self.slabs: list[Slab] = []
         self.channels = channels
         self.generation = generation
-        self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader
+        self.taken = taken  # the generation each worker last received
+        self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader, taken once
         self.remap = False  # forked workers map their (registered) slab afresh by name
+
+    def set_epoch(self, epoch: int) -> None:
+        """Never called by growcache's loader. Wrappers that rebuilt the DataLoader around this
+        dataset call it (Accelerate, at every ``iter()``): so it raises
+        :class:`~growcache.ForeignLoaderError` at once, with the fix, rather than let them
+        iterate a dataset that no epoch was started for."""
+        raise ForeignLoaderError()
 
     def _receive(self, worker: int, expected: int) -> _EpochMessage:
         deadline = time.monotonic() + _PLAN_TIMEOUT_S
@@ -118,9 +128,16 @@ class _CacheStream(IterableDataset):
         info = get_worker_info()
         reader = self.spec.build(_FRAMES[self.reader])
         if info is None:
-            message, slab = self.local, None
+            message, slab, self.local = self.local, None, None
+            if message is None:
+                raise ForeignLoaderError()
         else:
+            # An epoch of this loader announces a new generation to each of its workers before they
+            # iterate; anything else iterating is a foreign DataLoader, which must not wait 300 s.
+            if generation == 0 or info.id >= len(self.channels) or self.taken[info.id] >= generation:
+                raise ForeignLoaderError()
             message = self._receive(info.id, generation)
+            self.taken[info.id] = message.generation
             slab = remap_in_worker(self.slabs[info.id]) if self.remap else self.slabs[info.id]
             slab.prefault()
             slab.start_generation(message.generation, message.held)
@@ -152,6 +169,21 @@ class _CacheStream(IterableDataset):
             yield _Failure(exc)
 
 
+class _EpochSampler(Sampler):
+    """See :attr:`GrowcacheLoader.sampler`."""
+
+    def __init__(self, loader: GrowcacheLoader) -> None:
+        self._loader = weakref.ref(loader)
+
+    def __iter__(self) -> Iterator[None]:
+        return itertools.repeat(None)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
+
+
 def _world() -> tuple[int, int] | None:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
 
@@ -174,6 +206,7 @@ class GrowcacheLoader(DataLoader):
 
     def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, slots: int,
                  delivery: CudaDelivery | None = None, **kwargs: Any) -> None:
+        self._epoch_sampler = _EpochSampler(self)
         super().__init__(stream, batch_size=None, collate_fn=_to_transport, **kwargs)
         self.epochs = epochs
         self._stream = stream
@@ -218,8 +251,31 @@ class GrowcacheLoader(DataLoader):
         return self.epochs.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` next (the shard order depends on ``(seed, epoch)``)."""
-        self.epochs.epoch = int(epoch)
+        """Read epoch ``epoch`` next (the shard order depends on ``(seed, epoch)``); if ``epoch`` is
+        the one being read now, the next is ``epoch + 1``. Lightning calls it through
+        ``loader.sampler`` at the start of every epoch."""
+        self.epochs.set_epoch(epoch)
+
+    @property
+    def sampler(self) -> Sampler:
+        """DataLoader's endless stand-in sampler of an iterable dataset, with ``set_epoch``: trainers
+        (Lightning) set the epoch on a loader's sampler, and this one passes it to the loader."""
+        return self._epoch_sampler
+
+    @sampler.setter
+    def sampler(self, _value: Any) -> None:
+        pass  # DataLoader.__init__ sets its own stand-in; ours replaces it
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch to resume at, for trainers that checkpoint loaders (Lightning, torchdata's
+        ``Stateful``): the epoch being read (a run resumed mid-epoch reads it again, whole), else
+        the next one."""
+        latest = self.last_epoch
+        return {"epoch": latest.number if latest is not None and not latest.ended else self.epochs.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["epoch"]`` (from :meth:`state_dict`)."""
+        self.epochs.epoch = int(state["epoch"])
 
     @property
     def skipped(self) -> list[Skipped]:
@@ -232,12 +288,12 @@ class GrowcacheLoader(DataLoader):
         return self.last_epoch.plan if self.last_epoch is not None else None
 
     def __len__(self) -> int:
-        epoch = self.last_epoch
-        if epoch is None or epoch.ended:
-            raise TypeError(
-                "len(GrowcacheLoader) is known only during an epoch: the cache grows, so each epoch's length is set "
-                "when iter(loader) plans it. Call it after iter(loader), or use loader.last_plan.rank_batches(rank)")
-        return epoch.batches()
+        # No length, even during an epoch: trainers read a loader's length once and stop every
+        # later epoch there (Lightning, as Keras does), and this cache grows between epochs.
+        raise TypeError(
+            "a growcache loader has no len(): the cache grows, so every epoch has its own length, known once "
+            "iter(loader) plans it: loader.last_epoch.batches(). Trainers read this TypeError as an unknown length "
+            "(Lightning then never cuts a grown epoch short)")
 
     def _make_slabs(self) -> None:
         # Slabs are created here, in the training process, before the workers start: a
@@ -337,6 +393,11 @@ def make_torch_loader(
     multiprocessing_context: Any = None,
     split: str = "shared",
     run_id: str | None = None,
+    worker_init_fn: Any = None,
+    timeout: float = 0,
+    generator: torch.Generator | None = None,
+    pin_memory_device: str = "",
+    in_order: bool = True,
     **refused: Any,
 ) -> GrowcacheLoader:
     """A ``DataLoader`` over a growing cache: each ``iter()`` is one epoch on a fresh snapshot.
@@ -384,6 +445,9 @@ def make_torch_loader(
         split: ``"shared"`` (one cache for every rank) or ``"node"`` (one cache per machine,
             named by ``$GROWCACHE_NODE`` or its hostname). Default: ``"shared"``.
         run_id: keys the epoch files of ranks without a process group. Default: ``None``.
+        worker_init_fn, timeout, generator, pin_memory_device, in_order: as in ``DataLoader``
+            (``generator`` seeds the workers' torch RNG; growcache's order comes from ``seed``;
+            ``in_order`` needs torch 2.6 or later). Defaults: ``DataLoader``'s.
 
     ``seed``, ``shuffle_buffer``, ``drop_last``, ``even_batches``, ``verify``, ``on_corrupt``,
     ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in ``make_tf_dataset``,
@@ -393,7 +457,8 @@ def make_torch_loader(
         SchemaError: the cache has no schema.
         DeviceError: ``device`` names CUDA, or a CUDA device, that this process cannot use.
         TypeError: a ``DataLoader`` argument the loader sets itself (``shuffle``,
-            ``sampler``, ``collate_fn``...), with what to use instead.
+            ``sampler``, ``batch_sampler``, ``collate_fn``), with what to use instead; or
+            ``in_order=False`` on a torch without it.
         ValueError: a bad argument.
     """
     for name in refused:
@@ -408,6 +473,12 @@ def make_torch_loader(
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    passed = {"worker_init_fn": worker_init_fn, "timeout": timeout, "generator": generator,
+              "pin_memory_device": pin_memory_device, "in_order": in_order}
+    if "in_order" not in inspect.signature(DataLoader.__init__).parameters:
+        if not in_order:
+            raise TypeError(f"in_order=False needs torch 2.6 or later (this is torch {torch.__version__})")
+        del passed["in_order"]
     epochs = Epochs(cache, options, readers=max(num_workers, 1), world=_world, all_gather=_all_gather,
                     holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
@@ -425,12 +496,12 @@ def make_torch_loader(
         context = torch.multiprocessing.get_context(context)
     mp = context if context is not None else torch.multiprocessing
     stream = _CacheStream(epochs.reader, reader, [mp.Queue() for _ in range(num_workers)],
-                          mp.Value("q", 0, lock=False))
+                          mp.Value("q", 0, lock=False), mp.Array("q", max(num_workers, 1), lock=False))
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
         epochs, stream, copy=copy, delivery=delivery,
         # In flight to the trainer, one held by it, and one shuffle window being filled.
         slots=prefetch_factor + 1 + epochs.reader.window_batches + (EXTRA_SLOTS if delivery else 0),
         num_workers=num_workers, persistent_workers=persistent_workers,
-        multiprocessing_context=context, **extra,
+        multiprocessing_context=context, **passed, **extra,
     )
