@@ -111,9 +111,11 @@ class EpochSyncError(GrowcacheError, RuntimeError):
 
 
 class ForeignLoaderError(GrowcacheError, RuntimeError):
-    """growcache's dataset is read by a ``DataLoader`` that ``make_torch_loader`` did not build
-    (Accelerate's ``prepare(..., loader)`` and similar wrappers rebuild one around
-    ``loader.dataset``), so no epoch was started for it. Without a message, says how to fix it."""
+    """growcache's dataset is read by a ``DataLoader`` that ``make_torch_loader`` did not build.
+
+    Accelerate's ``prepare(..., loader)``, and wrappers like it, rebuild one around
+    ``loader.dataset``, so no epoch was started for it. Without a message, says how to fix it.
+    """
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or (
