@@ -21,6 +21,18 @@ import growcache  # noqa: E402
 from conftest import write_shards  # noqa: E402
 
 
+class Data(L.LightningDataModule):
+    """docs/pytorch.md's recipe: a resumed run's first epoch reads the trainer's epoch."""
+
+    def __init__(self, loader) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def train_dataloader(self):
+        self.loader.set_epoch(self.trainer.current_epoch)
+        return self.loader
+
+
 class Model(L.LightningModule):
     def __init__(self, cache, loader, shard: int, epochs: dict) -> None:
         super().__init__()
@@ -29,11 +41,6 @@ class Model(L.LightningModule):
         self.loader = loader
         self.shard = shard
         self.epochs = epochs
-
-    def train_dataloader(self):
-        # The docs' recipe: a resumed run's first epoch reads the trainer's epoch.
-        self.loader.set_epoch(self.trainer.current_epoch)
-        return self.loader
 
     def on_train_epoch_start(self) -> None:
         self.epochs[self.current_epoch] = {"ids": [], "batches": 0, "planned_epoch": None}
@@ -61,7 +68,7 @@ def _fit(cache, shard: int, epochs: int, records: dict, checkpoint: str | None) 
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=2, strategy="ddp", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         num_sanity_val_steps=0)
-    trainer.fit(Model(cache, loader, shard, records), ckpt_path=checkpoint)
+    trainer.fit(Model(cache, loader, shard, records), datamodule=Data(loader), ckpt_path=checkpoint)
     return trainer
 
 

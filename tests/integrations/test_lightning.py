@@ -61,10 +61,14 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class Following(Recorder):
+class Data(L.LightningDataModule):
     """The docs' recipe: ``train_dataloader()`` sets the trainer's epoch, so that a resumed run's
     first epoch reads its own order (Lightning announces every later epoch itself, through the
     loader's sampler)."""
+
+    def __init__(self, loader) -> None:
+        super().__init__()
+        self.loader = loader
 
     def train_dataloader(self):
         self.loader.set_epoch(self.trainer.current_epoch)
@@ -87,10 +91,10 @@ def _quiet():
 def test_fit_reads_every_grown_snapshot_once(id_cache, tmp_path, workers):
     written = write_shards(id_cache, [SHARD, SHARD - 3])
     loader = growcache.make_torch_loader(id_cache, 4, num_workers=workers, seed=1)
-    model = Following(id_cache, loader=loader)
+    model = Recorder(id_cache, loader=loader)
     _quiet()
     trainer = _trainer(tmp_path, 3)
-    trainer.fit(model)
+    trainer.fit(model, datamodule=Data(loader))
     for epoch in range(3):
         expected = written + [i for e in range(epoch) for i in range(1000 * (e + 1), 1000 * (e + 1) + SHARD)]
         assert sorted(model.ids[epoch]) == sorted(expected), f"epoch {epoch}: not every record exactly once"
@@ -133,13 +137,15 @@ def test_resume_reads_the_trainers_epoch_order(id_cache, tmp_path):
 
     _quiet()
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True, save_top_k=0)
-    first = Following(id_cache, grow=False, loader=growcache.make_torch_loader(id_cache, 4, **options))
-    _trainer(tmp_path, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(first)
+    loader = growcache.make_torch_loader(id_cache, 4, **options)
+    first = Recorder(id_cache, grow=False, loader=loader)
+    _trainer(tmp_path, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(first, datamodule=Data(loader))
     assert first.ids == {0: expected[0], 1: expected[1]}
 
     # The docs' recipe: train_dataloader() sets the trainer's epoch (the resumed first epoch).
-    resumed = Following(id_cache, grow=False, loader=growcache.make_torch_loader(id_cache, 4, **options))
-    _trainer(tmp_path, 4).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    loader = growcache.make_torch_loader(id_cache, 4, **options)
+    resumed = Recorder(id_cache, grow=False, loader=loader)
+    _trainer(tmp_path, 4).fit(resumed, datamodule=Data(loader), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.ids == {2: expected[2], 3: expected[3]}, "the resumed epochs did not read their own order"
 
     # The loader passed to fit() directly: Lightning announces every later epoch through the
