@@ -81,7 +81,8 @@ def test_arguments_that_cannot_apply_say_why(id_cache, name, reason):
 def test_a_dataloader_growcache_did_not_build_fails_at_once(id_cache, workers):
     written = write_shards(id_cache, [8, 8])
     loader = make_torch_loader(id_cache, 4, num_workers=workers)
-    foreign = DataLoader(loader.dataset, batch_size=None, num_workers=workers)
+    # One foreign worker is enough (torch takes 5 s to join each worker that raised).
+    foreign = DataLoader(loader.dataset, batch_size=None, num_workers=min(workers, 1))
     with pytest.raises(RuntimeError, match=r"prepare\(model, optimizer\)") as raised:
         next(iter(foreign))
     assert type(raised.value).__name__ == "ForeignLoaderError"  # growcache.ForeignLoaderError, a RuntimeError
@@ -90,8 +91,9 @@ def test_a_dataloader_growcache_did_not_build_fails_at_once(id_cache, workers):
         loader.dataset.set_epoch(1)
     assert type(raised.value).__name__ == "ForeignLoaderError"
     assert _ids(loader) == written  # growcache's own loader is unaffected, before and after
-    del foreign
+    del foreign, raised  # the traceback holds the foreign iterator, and its worker
     assert _ids(loader) == written
+    loader.close()
 
 
 def test_the_sampler_passes_set_epoch_on_and_state_dict_names_the_epoch_to_resume(id_cache):
