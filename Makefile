@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml Makefile
 
 # TensorFlow and the `tfrecord` package cannot share one process (both register
 # tensorflow.BytesList in protobuf's pool), so TF tests run in a pytest process of their own.
+# --durations prints the slowest tests, to keep the suite inside its time budget.
 # -rs ends each run with every skip and its reason; under CI=true a skipped required
 # component (TensorFlow, torch, tfrecord, the S3/GCS servers, a size-limited filesystem)
 # fails instead (tests/conftest.py).
 test: $(STAMP)
 	@status=0; \
-	$(BIN)/python -m pytest -q -rs tests --ignore=tests/tf || status=1; \
-	$(BIN)/python -m pytest -q -rs tests/tf || status=1; \
+	$(BIN)/python -m pytest -q -rs --durations=20 tests --ignore=tests/tf || status=1; \
+	$(BIN)/python -m pytest -q -rs --durations=20 tests/tf || status=1; \
 	exit $$status
 
 demo: $(STAMP)

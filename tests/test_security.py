@@ -354,8 +354,14 @@ def _shard_digests(cache: Cache) -> dict[str, str]:
 
 
 def _peak_rss_of(code: str) -> tuple[int, str]:
-    """Run ``code`` in a fresh interpreter; return (its peak RSS in bytes, its stdout)."""
-    script = code + "\nimport resource; print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    """Run ``code`` in a fresh interpreter; return (its peak RSS in bytes, its stdout).
+
+    The peak is the interpreter's own VmHWM, not ``ru_maxrss``: Linux carries ``ru_maxrss``
+    across exec, so a child of a large pytest process starts out with the parent's peak.
+    """
+    script = code + (
+        "\nimport re; print('PEAK', int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024)\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     peak = int(result.stdout.rsplit("PEAK", 1)[1])

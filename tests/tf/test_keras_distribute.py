@@ -61,7 +61,12 @@ class _Sink:
         self.seen: dict[int, list[tuple[int, int, list[int]]]] = {}
 
     def __call__(self, step, replica, ids):
-        self.seen.setdefault(self.epoch, []).append((int(step), int(replica), [int(i) for i in ids]))
+        # Each replica's steps run in order, but its read of the optimizer's step counter races
+        # with the other replica's increment; so a step is this replica's count of calls.
+        del step
+        seen = self.seen.setdefault(self.epoch, [])
+        index = sum(1 for _, r, _ in seen if r == int(replica))
+        seen.append((index, int(replica), [int(i) for i in ids]))
         return np.int64(0)
 
     def ids(self, epoch: int) -> list[int]:
