@@ -57,6 +57,7 @@ segment whose owner is dead (:func:`remove_dead_segments`).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import re
@@ -169,7 +170,7 @@ class BatchLayout:
         out = {}
         for name, dtype, shape in self.features:
             start = self.offsets[name]
-            count = records * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            count = records * dtype.itemsize * math.prod(shape)  # np.prod costs 10x on a tuple, per batch
             out[name] = buffer[start:start + count].view(dtype).reshape((records, *shape))
         return out
 
