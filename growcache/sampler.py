@@ -7,7 +7,7 @@ a shard when it reaches ``shard_size`` or ``max_shard_age``. Publishing evicts t
 unleased shards to keep the cache's byte budget; when every shard left is leased, the
 worker waits, never the trainer.
 
-The training process sees workers through shared counters and an error queue: a
+The training process sees workers through shared counters and one report pipe per worker: a
 :class:`~growcache.SamplerError` with the worker's traceback surfaces from
 :meth:`SamplerPool.raise_if_failed`, :meth:`~SamplerPool.wait_for` and
 :meth:`~SamplerPool.stop`. Workers that die (SIGKILL, out of memory) are restarted a
@@ -40,25 +40,34 @@ without reference to it: each worker then imports only the modules the source ne
 what the script imports at its top (TensorFlow costs about 500 MB and seconds per worker).
 A source defined in the script itself needs the script, so its workers re-run it, and the
 pool warns once.
+
+The pool creates no POSIX named semaphore (``/dev/shm/sem.*``): a process-group kill
+(``scancel``, ``docker kill``, a cgroup's OOM kill) also kills ``multiprocessing``'s
+resource tracker, which would unlink them, so every one would stay behind until reboot.
+Reports travel over pipes, stop is a flag in shared memory that workers poll, and the
+``stop_after`` quota is claimed under an ``fcntl`` record lock on a file without a name;
+all of it vanishes with the last process holding it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import pickletools
-import queue
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from multiprocessing import connection as mp_connection, reduction as mp_reduction
 from typing import Any
 
 import numpy as np
@@ -80,6 +89,9 @@ logger = logging.getLogger(__name__)
 # Per-worker slots of the shared counter array; each worker writes only its own slots.
 _RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB, _CLAIMED, _DONE = range(9)
 _NSLOTS = 9
+# Slots of the pool's shared control array: the stop flag (the parent writes it, workers poll
+# it) and the records of stop_after left to sample (changed only under the quota lock).
+_STOP, _QUOTA = range(2)
 _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -264,10 +276,10 @@ class SamplerPool:
                                      logging.getLogger("growcache").getEffectiveLevel(), stop_after=stop_after)
         self._ctx = mp.get_context("spawn")
         self._needs_main = _refers_to_main(pickled)
-        self._quota: Any = None
         self._counters: Any = None
-        self._events: Any = None
-        self._stop_event: Any = None
+        self._control: Any = None
+        self._quota_lock: _ProcessLock | None = None
+        self._reports_from: list[Any] = [None] * workers  # each worker's report pipe, read end
         self._procs: list[Any] = [None] * workers
         self._restarts = [0] * workers
         self._restart_times: list[collections.deque[float]] = [collections.deque() for _ in range(workers)]
@@ -311,10 +323,11 @@ class SamplerPool:
         if self._state == "stopped":
             raise RuntimeError("this SamplerPool was stopped; create a new SamplerPool to sample again")
         self._counters = self._ctx.Array("q", self.workers * _NSLOTS, lock=False)
-        # Records left to sample; workers claim one under its lock before each sample.
-        self._quota = self._ctx.Value("q", self.stop_after or 0)
-        self._events = self._ctx.Queue()
-        self._stop_event = self._ctx.Event()
+        self._control = self._ctx.Array("q", 2, lock=False)
+        if self.stop_after is not None:
+            # Records left to sample; workers claim one under the quota lock before each sample.
+            self._control[_QUOTA] = self.stop_after
+            self._quota_lock = _ProcessLock()
         self._config = replace(self._config, run=self.cache._next_sampler_run())
         self._started_at = time.monotonic()
         self._state = "running"
@@ -333,14 +346,23 @@ class SamplerPool:
             process_class = self._ctx.Process
         else:
             process_class = _WorkerProcess
+        reports_from, reports_to = self._ctx.Pipe(duplex=False)
         proc = process_class(
             target=_worker_main,
-            args=(self._config, index, self._restarts[index], self._counters, self._events, self._stop_event,
-                  os.getpid(), self._quota),
+            args=(self._config, index, self._restarts[index], self._counters, reports_to, self._control,
+                  os.getpid(), self._quota_lock),
             name=f"growcache-sampler-{index}",
             daemon=True,  # dies with the training process if stop() is never called
         )
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:
+            reports_from.close()
+            raise
+        finally:
+            reports_to.close()  # the worker holds the only write end: its death reads as the pipe's end
+        self._close_reports(index)
+        self._reports_from[index] = reports_from
         self._procs[index] = proc
         self._pids.add(proc.pid)
 
@@ -356,20 +378,19 @@ class SamplerPool:
         """
         if self._state == "running":
             self._state = "stopped"
-            self._stop_event.set()
+            self._control[_STOP] = 1
             deadline = time.monotonic() + timeout
             self._monitor_stop.set()
             if self._monitor is not None:
                 self._monitor.join()
             with self._lock:
                 procs = [p for p in self._procs if p is not None]
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
+            self._join(procs, deadline)
             for proc in procs:
                 if proc.is_alive():
                     logger.warning("sampler %s did not stop within %.0f s; terminating it", proc.name, timeout)
                     proc.terminate()  # SIGTERM: the worker discards its shard and exits
-                    proc.join(5.0)
+                    self._join([proc], time.monotonic() + 5.0)
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
@@ -379,8 +400,10 @@ class SamplerPool:
                     self._fail(index, report)
             self._reports.clear()
             self._remove_temporaries()
-            self._events.close()
-            self._events.join_thread()
+            for index in range(self.workers):
+                self._close_reports(index)
+            if self._quota_lock is not None:
+                self._quota_lock.close()
             self._stopped_at = time.monotonic()
             logger.info("sampler pool stopped: %s", self._summary())
         elif self._state == "new":
@@ -421,7 +444,7 @@ class SamplerPool:
                     self._finished.add(index)
                 continue
             self._refund(index)
-            if self._stop_event.is_set():
+            if self._control[_STOP]:
                 with self._lock:
                     self._procs[index] = None
                 if report is not None and not report["transient"]:
@@ -446,7 +469,7 @@ class SamplerPool:
                     "exception": report["exception"] if report else None})
                 continue
             with self._lock:
-                if self._state != "running" or self._stop_event.is_set():
+                if self._state != "running" or self._control[_STOP]:
                     continue
                 self._restarts[index] += 1  # never reused: each restart's random stream is new
                 recent.append(time.monotonic())
@@ -459,23 +482,52 @@ class SamplerPool:
         if self.stop_after is None:
             return
         base = index * _NSLOTS
-        with self._quota.get_lock():
+        assert self._quota_lock is not None
+        with self._quota_lock:
             lost = self._counters[base + _CLAIMED] - self._counters[base + _PUB_RECORDS]
             if lost > 0:
-                self._quota.value += lost
+                self._control[_QUOTA] += lost
                 self._counters[base + _CLAIMED] -= lost
 
     def _drain_events(self) -> None:
-        """Move worker reports from the queue into ``self._reports`` (latest per worker)."""
-        while True:
+        """Move worker reports from their pipes into ``self._reports`` (latest per worker)."""
+        for index, reports_from in enumerate(self._reports_from):
+            if reports_from is None:
+                continue
             try:
-                event = self._events.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+                while reports_from.poll():
+                    event = reports_from.recv()
+                    self._reports[index] = event
+                    self._last_error = event["summary"]
+                    # The restart warning or the raised SamplerError reports it: one line, not one per worker.
+                    logger.debug("sampler %s", event["summary"])
+            except (EOFError, OSError):
+                # The worker is gone and everything it sent has been read (or a killed worker's
+                # report was cut short): nothing more can come.
+                self._close_reports(index)
+            except Exception:  # a report that does not unpickle here must not stop the monitor
+                logger.exception("unreadable report from sampler %d", index)
+                self._close_reports(index)
+
+    def _close_reports(self, index: int) -> None:
+        reports_from, self._reports_from[index] = self._reports_from[index], None
+        if reports_from is not None:
+            reports_from.close()
+
+    def _join(self, procs: list[Any], deadline: float) -> None:
+        """Wait until ``procs`` exit or ``deadline`` passes, reading reports meanwhile.
+
+        A report larger than a pipe's buffer blocks its worker until it is read, so reports
+        are read while waiting, never only after.
+        """
+        while True:
+            alive = [p for p in procs if p.is_alive()]
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
                 return
-            self._reports[event["worker"]] = event
-            self._last_error = event["summary"]
-            # The restart warning or the raised SamplerError reports it: one line, not one per worker.
-            logger.debug("sampler %s", event["summary"])
+            pipes = [r for r in self._reports_from if r is not None]
+            mp_connection.wait([p.sentinel for p in alive] + pipes, timeout=min(left, 1.0))
+            self._drain_events()
 
     def _fail(self, index: int, report: Mapping[str, Any]) -> None:
         if self._failure is not None:
@@ -496,7 +548,7 @@ class SamplerPool:
         self._failure = error
         self._last_error = report["summary"]
         logger.debug("sampler pool failed: %s", report["summary"])
-        self._stop_event.set()  # the other workers stop too: the pool never limps on silently
+        self._control[_STOP] = 1  # the other workers stop too: the pool never limps on silently
 
     def _remove_temporaries(self) -> None:
         """Delete temporary shards of this pool's dead workers (a SIGKILL leaves one)."""
@@ -720,6 +772,43 @@ except ImportError:  # no POSIX spawn launcher (Windows): workers re-run the scr
     _WorkerProcess = mp.get_context("spawn").Process  # type: ignore[misc,assignment]
 
 
+class _ProcessLock:
+    """A lock between the pool's processes that leaves nothing behind: an ``fcntl`` record lock
+    on a temporary file that has no name.
+
+    ``multiprocessing``'s locks are named semaphores, which a process-group kill leaves in
+    ``/dev/shm`` forever (see the module docstring); a file without a name goes with the last
+    descriptor of it. The kernel also drops the lock of a holder that dies, where a semaphore
+    held by a killed worker would stay taken. Record locks belong to a process, not to a
+    thread: each process takes it from one thread only (the parent's monitor, a worker's main).
+    """
+
+    def __init__(self, fd: int | None = None) -> None:
+        if fd is None:
+            with tempfile.TemporaryFile() as f:  # O_TMPFILE where the kernel has it: never named
+                fd = os.dup(f.fileno())
+        self._fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only while spawning a worker: the descriptor itself is passed to the child.
+        return _rebuild_process_lock, (mp_reduction.DupFd(self._fd),)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _rebuild_process_lock(dup: Any) -> _ProcessLock:
+    return _ProcessLock(dup.detach())
+
+
 class _Terminated(BaseException):
     """Raised in a worker by SIGTERM, so that the shard in progress is discarded on the way out."""
 
@@ -757,8 +846,8 @@ class _Interrupted(BaseException):
     """
 
 
-def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, events: Any, stop_event: Any,
-                 parent_pid: int, quota: Any = None) -> None:
+def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, reports_to: Any, control: Any,
+                 parent_pid: int, quota_lock: _ProcessLock | None = None) -> None:
     # Ctrl-C reaches the whole process group: the training process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -772,16 +861,16 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
 
     def stopping() -> bool:
         # The parent may die without calling stop(): never outlive it.
-        return stop_event.is_set() or os.getppid() != parent_pid
+        return bool(control[_STOP]) or os.getppid() != parent_pid
 
     def claim() -> bool:
         """Take one record of the stop_after quota; False when it is used up."""
-        if cfg.stop_after is None:
+        if quota_lock is None:
             return True
-        with quota.get_lock():
-            if quota.value <= 0:
+        with quota_lock:
+            if control[_QUOTA] <= 0:
                 return False
-            quota.value -= 1
+            control[_QUOTA] -= 1
             counters[base + _CLAIMED] += 1
             return True
 
@@ -846,14 +935,13 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, ev
     except _Terminated:
         pass  # the finally below discards the shard in progress
     except BaseException as exc:
-        _report(events, source, index, restart, exc)
+        _report(reports_to, source, index, restart, exc)
         raise SystemExit(1) from None
     finally:
         sampling.close()
         if writer is not None:
             writer.abort()
-        events.close()
-        events.join_thread()  # the report must reach the pipe before the process exits
+        reports_to.close()
 
 
 def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Callable[[], bool]) -> None:
@@ -976,7 +1064,7 @@ def describe_mismatch(schema: Any, sample: Mapping[str, Any]) -> str | None:
     return "; ".join(problems) or None
 
 
-def _report(events: Any, source: Source, index: int, restart: int, exc: BaseException) -> None:
+def _report(reports_to: Any, source: Source, index: int, restart: int, exc: BaseException) -> None:
     redact = source.redact
     text = redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     summary = redact(f"worker {index} (restart {restart}) failed: {type(exc).__name__}: {exc}")
@@ -985,6 +1073,9 @@ def _report(events: Any, source: Source, index: int, restart: int, exc: BaseExce
         pickle.loads(pickled)
     except Exception:
         pickled = None
-    events.put({"worker": index, "restart": restart, "transient": isinstance(exc, TransientSourceError),
-                "summary": summary, "traceback": text, "exception": pickled,
-                "growcache_error": isinstance(exc, GrowcacheError)})
+    try:  # send() returns once the whole report is in the pipe
+        reports_to.send({"worker": index, "restart": restart, "transient": isinstance(exc, TransientSourceError),
+                         "summary": summary, "traceback": text, "exception": pickled,
+                         "growcache_error": isinstance(exc, GrowcacheError)})
+    except OSError:  # the training process is gone: nobody is left to tell
+        pass

@@ -433,6 +433,30 @@ def test_stop_after_resamples_what_a_killed_worker_lost(cache):
     assert final.records_written > 30, "the lost records were sampled again"
 
 
+# -- nothing a process-group kill could leave behind -------------------------------------
+def _semaphores_mapped(pid: int) -> set[str]:
+    """The named POSIX semaphores (``/dev/shm/sem.*``) process ``pid`` has mapped now.
+
+    A process that creates or opens one maps it, so this sees the pool's own semaphores,
+    whatever other programs create in ``/dev/shm`` meanwhile.
+    """
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/sem." in line}
+
+
+def test_a_running_pool_creates_no_named_semaphore(cache):
+    # A process-group kill takes multiprocessing's resource tracker with it, and every named
+    # semaphore would stay in /dev/shm until reboot (issue 17). The quota of stop_after is on,
+    # so its lock is in use too.
+    before = _semaphores_mapped(os.getpid())
+    with SamplerPool(cache, stream_sample, workers=2, shard_size=8 * RECORD, stop_after=10**9) as pool:
+        pool.wait_for(shards=2, timeout=60)
+        pids = pool.pids
+        assert len(pids) == 2
+        assert {pid: _semaphores_mapped(pid) for pid in pids} == {pid: set() for pid in pids}
+        assert _semaphores_mapped(os.getpid()) - before == set()
+
+
 # -- workers start without re-running the user's script ------------------------------------
 _SCRIPT = """
 import sys, time
