@@ -82,11 +82,13 @@ def this_host() -> str:
     """A short tag of this process table, stored with every lease, temporary and slab name.
 
     Processes with the same tag can check each other's pids. ``$GROWCACHE_NODE``, where set,
-    replaces the table's identity: processes with different values never judge each other's
-    pids (only heartbeats).
+    is part of the tag: processes with different values never judge each other's pids (only
+    heartbeats). It never joins two tables: containers of one machine named alike for
+    ``split="node"`` still have pid namespaces of their own, where another's pid means nothing.
     """
     node = os.environ.get(_NODE_ENV)
-    return hashlib.sha1((f"node:{node}" if node else _process_table()).encode()).hexdigest()[:8]
+    table = _process_table()
+    return hashlib.sha1((f"node:{node}/{table}" if node else table).encode()).hexdigest()[:8]
 
 
 def owner_expiry() -> float:
@@ -178,6 +180,12 @@ class _Heartbeat:
                         if path not in self.paths or path in self.lost:
                             continue
                         self.lost.add(path)
+                    if not os.path.isdir(os.path.dirname(path)):
+                        # No machine judged anything: the directory itself went (the cache was
+                        # deleted under a running process).
+                        logger.warning("%s was removed while this process still held it: its directory is gone "
+                                       "(was the cache deleted while a process used it?)", path)
+                        continue
                     # A process stopped (SIGSTOP, a suspended VM) for longer than the expiry
                     # lost its lease to another machine's cleanup: say so once.
                     logger.warning("%s was removed while this process still held it: its heartbeat stopped for "

@@ -134,15 +134,23 @@ class _Keeper:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._held: list[tuple[Callable[[], bool], Callable[[], None], float]] = []
+        self._held: list[tuple[Callable[[], bool], Callable[[], None], float, bool]] = []
         self._pid = -1
 
-    def hold(self, ready: Callable[[], bool], close: Callable[[], None], deadline: float) -> None:
+    def hold(self, ready: Callable[[], bool], close: Callable[[], None], deadline: float, *,
+             wait_at_exit: bool = True) -> None:
+        """Call ``close`` once ``ready()`` holds or ``deadline`` passes.
+
+        Args:
+            wait_at_exit: the ranks ``ready`` waits for may live in other processes, so an
+                exit waits for them (:meth:`drain`). ``False`` where they are ranks of this
+                process, which cannot lease once it exits: waiting would only delay the exit.
+        """
         if _safe(ready):
             close()
             return
         with self._lock:
-            self._held.append((ready, close, deadline))
+            self._held.append((ready, close, deadline, wait_at_exit))
             if self._pid != os.getpid():  # first use, or a forked child (threads do not survive fork)
                 self._pid = os.getpid()
                 threading.Thread(target=self._run, name="growcache-lease-keeper", daemon=True).start()
@@ -150,20 +158,22 @@ class _Keeper:
             self._wake.notify()
 
     def drain(self, limit: float = _EXIT_WAIT_S) -> None:
-        """At exit: wait (at most ``limit`` seconds) for the ranks a held lease waits for.
+        """At exit: wait (at most ``limit`` seconds) for the ranks in other processes that a
+        held lease waits for.
 
         A first rank that exits first would otherwise end its lease (a dead process's lease
         expires) while another rank has yet to lease the same shards.
         """
         end = time.monotonic() + limit
-        with self._lock:
-            waiting = bool(self._held) and self._pid == os.getpid()
-        if waiting:
-            logger.info("waiting up to %.0f s for the other ranks to lease the last epochs before exiting", limit)
-        while waiting and time.monotonic() < end:
-            time.sleep(_POLL_S)
+
+        def waiting() -> bool:
             with self._lock:
-                waiting = bool(self._held)
+                return self._pid == os.getpid() and any(held[3] for held in self._held)
+
+        if waiting():
+            logger.info("waiting up to %.0f s for the other ranks to lease the last epochs before exiting", limit)
+        while waiting() and time.monotonic() < end:
+            time.sleep(_POLL_S)
 
     def _run(self) -> None:
         while True:
@@ -174,7 +184,7 @@ class _Keeper:
             now = time.monotonic()
             due = [h for h in held if now >= h[2] or _safe(h[0])]
             for held_lease in due:
-                ready, close, deadline = held_lease
+                ready, close, deadline, _ = held_lease
                 if now >= deadline and not _safe(ready):
                     logger.warning("not every rank of the group leased its epoch within %.0f s; the first rank's "
                                    "lease ends anyway", AGREE_TIMEOUT_S)
@@ -331,7 +341,8 @@ class _LocalAgreement:
                     del rendezvous._group.epochs[self._epoch]
             close()
 
-        _KEEPER.hold(lambda: entry.acks >= rendezvous.size - 1, done, time.monotonic() + rendezvous.timeout)
+        _KEEPER.hold(lambda: entry.acks >= rendezvous.size - 1, done, time.monotonic() + rendezvous.timeout,
+                     wait_at_exit=False)
 
 
 # -- ranks in several processes: epoch files -----------------------------------------------------

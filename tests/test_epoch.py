@@ -211,6 +211,30 @@ def test_ranks_in_one_process_agree_in_memory_whoever_starts_first(id_cache):
     assert not os.path.exists(os.path.join(id_cache.path, EPOCHS_DIR))
 
 
+_ONE_PIPELINE_OF_TWO = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+from growcache import Cache
+from growcache.epoch import EpochOptions, Epochs
+cache = Cache(sys.argv[1])
+pipelines = [Epochs(cache, EpochOptions(2), world=(r, 2)) for r in range(2)]
+pipelines[0].start().end()  # the other pipeline of this process never starts the epoch
+print("leases", cache.stats().leases, flush=True)
+"""
+
+
+def test_a_process_exits_at_once_when_only_its_own_pipelines_have_yet_to_lease(id_cache):
+    # The first rank's lease waits for ranks of other processes at exit; ranks of this process
+    # (tf.distribute's input pipelines) can never lease once it exits, so it must not wait for them.
+    write_shards(id_cache, [4, 4])
+    result = subprocess.run([sys.executable, "-c", _ONE_PIPELINE_OF_TWO, id_cache.path], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["leases", "1"], "held for the other pipeline while the process runs"
+    assert "waiting up to" not in result.stderr
+    assert os.listdir(os.path.join(id_cache.path, "leases")) == [], "the lease ends with the process"
+
+
 def test_a_failed_epoch_start_fails_every_rank_and_a_retry_starts_afresh(tmp_path):
     cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
     epochs = [Epochs(cache, EpochOptions(2), world=(r, 2)) for r in range(2)]

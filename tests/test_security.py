@@ -686,3 +686,43 @@ def test_a_stopped_trainer_in_another_process_table_loses_its_lease_after_the_ex
     finally:
         err = _kill_group(child)
     assert "was removed while this process still held it" in err and "stopped or frozen" in err
+
+
+def test_an_equal_growcache_node_in_another_pid_namespace_never_judges_its_pids(tmp_path, monkeypatch):
+    # Containers of one machine named alike for split="node" (docs/pytorch.md) may share a cache
+    # but never a pid namespace: the other container's pid names another process here, or none.
+    monkeypatch.setenv("GROWCACHE_NODE", "machine-a")
+    prefix, env = _other_process_table()
+    if env:
+        pytest.fail("cannot start a process in a new pid namespace here (unshare --pid is refused)")
+    cache = Cache(tmp_path / "c", capacity=2 * 1456, schema=ID_SCHEMA)
+    write_shards(cache, [8, 8])
+    child = _lease_holder(cache, prefix, {})  # GROWCACHE_NODE=machine-a too
+    try:
+        write_shards(cache, [8], first_id=100)
+        Cache(cache.path)  # opening removes dead holders' leases
+        assert cache.stats().leases == 1, "a living holder's lease was removed"
+        assert [s.seq for s in cache.prune()] == [3], "prune evicts only what no living holder leased"
+    finally:
+        err = _kill_group(child)
+    assert "was removed while this process still held it" not in err
+
+
+_DELETED_UNDER_ME = """
+import shutil, sys, time
+import growcache
+cache = growcache.Cache(sys.argv[1])
+snapshot = cache.snapshot()
+shutil.rmtree(sys.argv[1])
+time.sleep(1.0)  # ten heartbeats
+"""
+
+
+def test_a_lease_whose_cache_was_deleted_is_not_blamed_on_another_machine(tmp_path):
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    write_shards(cache, [4])
+    result = subprocess.run([sys.executable, "-c", _DELETED_UNDER_ME, cache.path], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, GROWCACHE_OWNER_EXPIRY="0.6"))
+    assert result.returncode == 0, result.stderr
+    assert "was removed while this process still held it: its directory is gone" in result.stderr
+    assert "another machine" not in result.stderr
