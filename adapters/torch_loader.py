@@ -1,14 +1,13 @@
 """PyTorch adapter: ``make_torch_loader`` turns a growing cache into a ``DataLoader``.
 
 The epoch itself (snapshot, agreement between ranks, plan, shares, lease, corrupt-shard
-report, defaults) is the core's :class:`growcache.epoch.Epochs`; reading and batching is
-:class:`growcache.batching.BatchReader`, and the shared-memory slabs are
-:mod:`growcache.transport`. This module wires them into DataLoader terms:
+report, defaults) is the core's :class:`growcache.epoch.Epochs`; the trip of each epoch's
+shares to the workers and of their batches back through shared-memory slabs is
+:class:`growcache.worker_feed.WorkerFeed`. This module wires them into DataLoader terms:
 
-* ``iter(loader)`` starts the epoch in the training process and sends each worker its share
-  through that worker's queue. Workers, persistent or not, block on their queue at the start
-  of each epoch; a shared generation number tells a persistent worker which message belongs
-  to the epoch it was reset for.
+* ``iter(loader)`` starts the epoch in the training process and announces it to the workers.
+  Workers, persistent or not, fix the epoch when DataLoader asks them for an iterator and
+  wait for their share at its first pull.
 * Workers read their share into a slot of their slab and yield a
   :class:`~growcache.transport.SlotHandle`; the training process turns it into tensors over
   the slab without a copy (``torch.from_numpy``).
@@ -20,14 +19,10 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import logging
 import os
-import queue as queue_module
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,22 +31,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
-from growcache.batching import ReaderShare, Skipped, growcache_frames
-from growcache.cache import Cache
-from growcache.device_release import remap_in_worker
 from growcache.adapters.tfrecord_frames import tfrecord_frames
+from growcache.batching import Skipped, growcache_frames
+from growcache.cache import Cache
 from growcache.epoch import Epoch, EpochOptions, Epochs
-from growcache.errors import ForeignLoaderError, GrowcacheError
+from growcache.errors import ForeignLoaderError
 from growcache.readers import ReaderSpec
-from growcache.transport import BatchLayout, Slab, SlotHandle
+from growcache.transport import COPY_BELOW, SlotHandle
+from growcache.worker_feed import WorkerFeed
 
 __all__ = ["make_torch_loader", "tfrecord_frames"]
 
-logger = logging.getLogger(__name__)
-_PLAN_TIMEOUT_S = 300.0
-# Features of at most this many bytes per batch (labels, ids) are copied out of the slab:
-# users keep those (metrics, logging), and a kept view would pin a whole slot.
-_COPY_BELOW = 256 << 10
 _REFUSED = {
     "shuffle": "shards are reshuffled every epoch by (seed, epoch) and records within each reader's shuffle_buffer: "
                "pass shuffle_buffer=RECORDS (0 turns the record shuffle off)",
@@ -64,24 +54,9 @@ _REFUSED = {
 _FRAMES = {"tfrecord": tfrecord_frames, "growcache": growcache_frames}
 
 
-@dataclass
-class _EpochMessage:
-    generation: int
-    share: ReaderShare
-    held: list[tuple[int, int]]
-
-
-@dataclass
-class _Failure:
-    """An error raised in a worker, carried as data so its type survives the trip
-    (DataLoader re-creates worker errors from a message, which loses ``path``/``offset``)."""
-
-    error: BaseException
-
-
 def _to_transport(item: Any) -> Any:
-    # Runs in the worker (collate_fn): a fallback batch of numpy arrays becomes tensors,
-    # which DataLoader sends through torch's own shared memory.
+    # collate_fn, in the worker: a batch of numpy arrays (no free slot) becomes tensors, which
+    # DataLoader sends through torch's own shared memory.
     if isinstance(item, dict):
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
     return item
@@ -90,15 +65,10 @@ def _to_transport(item: Any) -> Any:
 class _CacheStream(IterableDataset):
     """The dataset every worker iterates: one epoch share per ``__iter__``."""
 
-    def __init__(self, spec: ReaderSpec, reader: str, channels: list[Any], generation: Any, taken: Any) -> None:
+    def __init__(self, spec: ReaderSpec, reader: str, feed: WorkerFeed) -> None:
         self.spec = spec
         self.reader = reader
-        self.slabs: list[Slab] = []
-        self.channels = channels
-        self.generation = generation
-        self.taken = taken  # the generation each worker last received
-        self.local: _EpochMessage | None = None  # num_workers=0: set directly by the loader, taken once
-        self.remap = False  # forked workers map their (registered) slab afresh by name
+        self.feed = feed
 
     def set_epoch(self, epoch: int) -> None:
         """Never called by growcache's loader. Wrappers that rebuilt the DataLoader around this
@@ -107,66 +77,14 @@ class _CacheStream(IterableDataset):
         iterate a dataset that no epoch was started for."""
         raise ForeignLoaderError()
 
-    def _receive(self, worker: int, expected: int) -> _EpochMessage:
-        deadline = time.monotonic() + _PLAN_TIMEOUT_S
-        while True:
-            try:
-                message = self.channels[worker].get(timeout=max(deadline - time.monotonic(), 0.001))
-            except queue_module.Empty:
-                raise RuntimeError(f"growcache worker {worker} got no epoch plan in {_PLAN_TIMEOUT_S} s") from None
-            if message.generation >= expected:  # older ones belong to abandoned epochs
-                return message
-
     def __iter__(self) -> Iterator[Any]:
         # The epoch is fixed here, when DataLoader asks for the iterator, not when the first
         # batch is pulled: a persistent worker may pull a leftover request of an abandoned
         # epoch after the next epoch was announced, and that stale pull must not take the
         # next epoch's plan (the real next epoch would then wait for a plan that never comes).
-        return self._batches(self.generation.value)
-
-    def _batches(self, generation: int) -> Iterator[Any]:
         info = get_worker_info()
-        reader = self.spec.build(_FRAMES[self.reader])
-        if info is None:
-            message, slab, self.local = self.local, None, None
-            if message is None:
-                raise ForeignLoaderError()
-        else:
-            # An epoch of this loader announces a new generation to each of its workers before they
-            # iterate; anything else iterating is a foreign DataLoader, which must not wait 300 s.
-            if generation == 0 or info.id >= len(self.channels) or self.taken[info.id] >= generation:
-                raise ForeignLoaderError()
-            message = self._receive(info.id, generation)
-            self.taken[info.id] = message.generation
-            slab = remap_in_worker(self.slabs[info.id]) if self.remap else self.slabs[info.id]
-            slab.prefault()
-            slab.start_generation(message.generation, message.held)
-
-        def allocate(rows: int) -> tuple[Any, dict[str, np.ndarray]]:
-            claimed = slab.acquire(rows) if slab is not None else None
-            if claimed is None:  # no workers, or the trainer holds every slot
-                return None, {n: np.empty((rows, *s.shape), s.dtype) for n, s in self.spec.schema.items()}
-            return claimed
-
-        def release(key: Any) -> None:
-            if key is not None:
-                slab.give_back(key)
-
-        try:
-            for item in reader.batches(message.share, allocate, release):
-                if isinstance(item, Skipped):
-                    yield item
-                    continue
-                key, arrays, rows = item
-                if key is None:
-                    batch = {n: a[:rows] for n, a in arrays.items()}
-                    yield batch if info is not None else {n: torch.from_numpy(a) for n, a in batch.items()}
-                else:
-                    yield key._replace(records=rows)
-        except GrowcacheError as exc:
-            if info is None:
-                raise
-            yield _Failure(exc)
+        return self.feed.read(None if info is None else info.id, self.feed.generation,
+                              self.spec.build(_FRAMES[self.reader]))
 
 
 class _EpochSampler(Sampler):
@@ -234,10 +152,8 @@ class GrowcacheLoader(DataLoader):
         if self._iterator is not None:  # persistent workers
             self._iterator._shutdown_workers()
             self._iterator = None
-        for epoch in self.epochs.open_epochs():
-            epoch.end()
-        for slab in self._stream.slabs:
-            slab.unlink()
+        self.epochs.end_all()
+        self._stream.feed.close()
 
     def __enter__(self) -> GrowcacheLoader:
         return self
@@ -295,49 +211,16 @@ class GrowcacheLoader(DataLoader):
             "iter(loader) plans it: loader.last_epoch.batches(). Trainers read this TypeError as an unknown length "
             "(Lightning then never cuts a grown epoch short)")
 
-    def _make_slabs(self) -> None:
-        # Slabs are created here, in the training process, before the workers start: a
-        # worker killed by any signal then owns nothing that could leak.
-        context = self.multiprocessing_context
-        method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
-        layout = BatchLayout.from_schema(self._stream.spec.schema, self._stream.spec.batch_size)
-        # Registered slabs keep their names: forked workers map them afresh (remap_in_worker).
-        anonymous = method == "fork" and self._delivery is None
-        self._stream.remap = method == "fork" and self._delivery is not None
-        self._stream.slabs[:] = [Slab(layout, self._slots, anonymous=anonymous, index=i)
-                                 for i in range(self.num_workers)]
-        for slab in self._stream.slabs:  # named ones: the memory lives on in every mapping
-            if method == "fork" and anonymous:
-                slab.unlink()
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:  # type: ignore[override]
         if self._closed:
             raise RuntimeError("this growcache loader was closed: build a new one with make_torch_loader")
-        epoch = self.epochs.start()
-        self.last_epoch = epoch
-        stream = self._stream
-        try:
-            generation = (stream.generation.value + 1) & 0x7FFFFFFF
-            if self.num_workers and not stream.slabs:
-                self._make_slabs()
-            stream.generation.value = generation
-            for worker in range(max(self.num_workers, 1)):
-                held = stream.slabs[worker].held_tokens() if self.num_workers else []
-                message = _EpochMessage(generation, epoch.share(worker), held)
-                if self.num_workers:
-                    stream.channels[worker].put(message)
-                else:
-                    stream.local = message
-            iterator = super().__iter__()
-        except BaseException:
-            epoch.end()
-            raise
-        # Persistent workers kept reading an abandoned epoch until super().__iter__() reset them
-        # just now: only from here may its shards be evicted.
-        for old in self.epochs.open_epochs():
-            if old is not epoch:
-                old.end()
-        return self._deliver(epoch, iterator)
+        context = self.multiprocessing_context
+        method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
+        # super().__iter__() starts the workers, or resets persistent ones (the feed ends the
+        # abandoned epoch they may still have read only then).
+        self.last_epoch, iterator = self._stream.feed.start_epoch(
+            self.epochs, super().__iter__, slots=self._slots, start_method=method, registered=self._delivery is not None)
+        return self._deliver(self.last_epoch, iterator)
 
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
         finished = False
@@ -354,22 +237,15 @@ class GrowcacheLoader(DataLoader):
 
     def _host_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         # CPU batches; or, for a delivery, slot batches left unopened (it opens them its way).
-        stream = self._stream
-        for item in iterator:
-            if isinstance(item, SlotHandle):
-                if self._delivery is not None:
-                    yield SlotBatch(stream.slabs[item.slab], item)
-                    continue
-                arrays = stream.slabs[item.slab].open(item, copy=self._copy, copy_below=_COPY_BELOW)
-                yield {n: torch.from_numpy(a) for n, a in arrays.items()}
-            elif isinstance(item, dict):
+        slabs = self._stream.feed.slabs
+        for item in self._stream.feed.received(iterator, self.epochs):
+            if not isinstance(item, SlotHandle):
                 yield item
-            elif isinstance(item, Skipped):
-                self.epochs.note_skipped(item)
-            elif isinstance(item, _Failure):
-                raise item.error
+            elif self._delivery is not None:
+                yield SlotBatch(slabs[item.slab], item)
             else:
-                raise TypeError(f"unexpected item from a growcache worker: {type(item).__name__}")
+                arrays = slabs[item.slab].open(item, copy=self._copy, copy_below=COPY_BELOW)
+                yield {n: torch.from_numpy(a) for n, a in arrays.items()}
 
 
 def make_torch_loader(
@@ -489,14 +365,13 @@ def make_torch_loader(
         warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
                       stacklevel=2)
         pin_memory = False
-    delivery = CudaDelivery(target, pin=target is None, copy=copy, copy_below=_COPY_BELOW) \
+    delivery = CudaDelivery(target, pin=target is None, copy=copy, copy_below=COPY_BELOW) \
         if target is not None or pin_memory else None
     context = multiprocessing_context
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)
     mp = context if context is not None else torch.multiprocessing
-    stream = _CacheStream(epochs.reader, reader, [mp.Queue() for _ in range(num_workers)],
-                          mp.Value("q", 0, lock=False), mp.Array("q", max(num_workers, 1), lock=False))
+    stream = _CacheStream(epochs.reader, reader, WorkerFeed(mp, num_workers))
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
         epochs, stream, copy=copy, delivery=delivery,

@@ -71,6 +71,7 @@ __all__ = [
     "Epochs",
     "Group",
     "node_name",
+    "require_shards",
     "resolve_schema",
     "run_id",
     "trainer_epoch",
@@ -262,6 +263,19 @@ def resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None = N
             "Cache(path, schema=Schema({...})) first, giving the dtype and shape of every feature "
             "(make_tf_dataset also takes them as features=)")
     return cache.schema
+
+
+def require_shards(cache: Cache, wait_for_shards: float) -> None:
+    """Fail at once, at an adapter's construction, on an empty cache that no epoch may wait for.
+
+    Raises:
+        EmptyCacheError: ``cache`` holds no shard and ``wait_for_shards`` is ``0``.
+    """
+    if wait_for_shards == 0 and not cache.list_shards():
+        raise EmptyCacheError(
+            f"cache {cache.path} holds no shard yet: start a SamplerPool (and pool.wait_for(records=...)) "
+            "or write shards first, or pass wait_for_shards=SECONDS to wait for the first one"
+        )
 
 
 _PIN_LOCK = threading.Lock()

@@ -5,18 +5,24 @@ Every adapter that reads records in Python (the PyTorch workers, TensorFlow's
 at one place:
 :meth:`ReaderSpec.build` gives the vectorized :class:`~growcache.vector_reader.VectorReader` for
 growcache's own framing and the record-by-record :class:`~growcache.batching.BatchReader` for any
-other framing function.
+other framing function, and :func:`slab_batches` reads a share into the slots of a
+:class:`~growcache.transport.Slab`, whichever process the reader runs in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from .batching import BatchReader, Frames, growcache_frames, window_batches
+import numpy as np
+
+from .batching import BatchReader, Frames, ReaderShare, Skipped, growcache_frames, window_batches
 from .schema import Schema
+from .transport import Slab, SlotHandle, aligned_empty
 from .vector_reader import VectorReader
 
-__all__ = ["ReaderSpec"]
+__all__ = ["ReaderSpec", "slab_batches"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +62,37 @@ class ReaderSpec:
     def window_batches(self) -> int:
         """Batches of one shuffle window (the slots a reader fills at once)."""
         return window_batches(self.shuffle_buffer, self.batch_size)
+
+
+def slab_batches(reader: BatchReader, share: ReaderShare, slab: Slab | None
+                 ) -> Iterator[Skipped | tuple[SlotHandle | None, dict[str, np.ndarray]]]:
+    """``reader``'s batches of ``share``, each read into a free slot of ``slab``.
+
+    Yields:
+        ``(handle, arrays)`` per batch: the slot's :class:`~growcache.transport.SlotHandle`
+        (its ``records`` are the batch's rows) and the slot's arrays; or ``(None, arrays)``
+        with fresh, cache-line aligned arrays of the batch's rows when there is no slab or
+        the consumer holds every slot (it keeps batches), so a reader never waits on it.
+        A :class:`~growcache.batching.Skipped` note per corrupt shard skipped.
+    """
+    schema = reader.schema
+
+    def allocate(rows: int) -> tuple[Any, dict[str, np.ndarray]]:
+        claimed = slab.acquire(rows) if slab is not None else None
+        if claimed is None:
+            return None, {name: aligned_empty((rows, *spec.shape), spec.dtype) for name, spec in schema.items()}
+        return claimed
+
+    def release(handle: Any) -> None:
+        if handle is not None:  # a slot that ended up holding no row
+            slab.give_back(handle)
+
+    for item in reader.batches(share, allocate, release):
+        if isinstance(item, Skipped):
+            yield item
+            continue
+        handle, arrays, rows = item
+        if handle is None:
+            yield None, {name: array[:rows] for name, array in arrays.items()}
+        else:
+            yield handle._replace(records=rows), arrays

@@ -71,7 +71,7 @@ import numpy as np
 
 from . import _proc
 
-__all__ = ["BatchLayout", "Slab", "SlotHandle", "remove_dead_segments"]
+__all__ = ["BatchLayout", "COPY_BELOW", "Slab", "SlotHandle", "aligned_empty", "remove_dead_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +123,22 @@ def remove_dead_segments(shm_dir: str = _SHM_DIR) -> list[str]:
 
 PAGE = mmap.PAGESIZE
 _ALIGN = 64  # cache line: every feature's array starts aligned
+#: Features of at most this many bytes per batch (labels, ids) are copied out of their slot by
+#: every adapter (``Slab.open``'s ``copy_below``): users keep those, and a kept view pins a slot.
+COPY_BELOW = 256 << 10
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A fresh array whose data starts on a cache line, as a slot's arrays do (TensorFlow takes
+    such an array without a copy); the batch memory of a reader that has no free slot."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)

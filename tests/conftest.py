@@ -124,3 +124,17 @@ def write_shards(cache: Cache, shard_records: list[int], first_id: int = 0) -> l
 def id_cache(tmp_path):
     """An empty cache with :data:`ID_SCHEMA` and a roomy budget."""
     return Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+
+
+def named_semaphores() -> set[str]:
+    """The names in ``/dev/shm`` of the named POSIX semaphores this process has open.
+
+    A kill of the whole process group leaves these behind (see docs/pitfalls.md). glibc's
+    ``sem_open`` maps each semaphore's file, so this process's maps list its own by inode
+    (under a temporary name); those still linked under a name in ``/dev/shm`` are the ones that
+    can leak. Other processes' (tests running beside this one) never count.
+    """
+    with open("/proc/self/maps") as maps:
+        fields = (line.split() for line in maps)
+        inodes = {int(f[4]) for f in fields if len(f) >= 6 and f[5].startswith("/dev/shm/sem.")}
+    return {entry.name for entry in os.scandir("/dev/shm") if entry.name.startswith("sem.") and entry.inode() in inodes}

@@ -199,9 +199,9 @@ def test_registered_slab_wiring_delivers_every_record_intact_without_a_gpu(id_ca
                 ids += batch["id"].tolist()
             assert sorted(ids) == written
             assert loader._delivery.release.pending == 0
-        assert loader._stream.remap and all(slab.name is not None for slab in loader._stream.slabs)
+        assert loader._stream.feed.remap and all(slab.name is not None for slab in loader._stream.feed.slabs)
         if persistent:  # each worker maps its slab a second time, by name, besides the inherited mapping
-            for worker, slab in zip(loader._iterator._workers, loader._stream.slabs):
+            for worker, slab in zip(loader._iterator._workers, loader._stream.feed.slabs):
                 with open(f"/proc/{worker.pid}/maps") as maps:
                     assert sum(slab.name in line for line in maps) == 2, f"worker {worker.pid} did not remap"
 
@@ -216,7 +216,7 @@ def test_exactly_once_on_the_device_with_the_data_checked_batch_by_batch(big_cac
                 ids += _check_batch(batch, cuda, big=True)
             assert sorted(ids) == big_cache.written, f"epoch {epoch}: duplicates or gaps"
         if workers:
-            slabs = workers * loader._slots * loader._stream.slabs[0].layout.slot_nbytes
+            slabs = workers * loader._slots * loader._stream.feed.slabs[0].layout.slot_nbytes
             assert loader.registered_bytes == slabs
     assert loader.registered_bytes == 0
 
@@ -287,7 +287,7 @@ def test_pin_memory_gives_pinned_zero_copy_views_safe_for_your_own_copies(big_ca
             on_device = []
             for batch in loader:
                 assert batch["x"].is_pinned() and batch["id"].is_pinned()
-                slabs = [(s.slot_bytes(0).ctypes.data, s.slots * s.layout.slot_nbytes) for s in loader._stream.slabs]
+                slabs = [(s.slot_bytes(0).ctypes.data, s.slots * s.layout.slot_nbytes) for s in loader._stream.feed.slabs]
                 address = batch["x"].data_ptr()
                 assert any(lo <= address < lo + n for lo, n in slabs), "x must be a view of its slot, not a copy"
                 torch.cuda._sleep(5_000_000)  # the copies below wait behind this on the current stream
@@ -303,7 +303,7 @@ def test_pin_memory_gives_pinned_zero_copy_views_safe_for_your_own_copies(big_ca
 
 def test_pin_memory_copy_true_copies_into_pinned_memory(big_cache, cuda):
     with make_torch_loader(big_cache, 2, num_workers=1, pin_memory=True, copy=True) as loader:
-        slab = loader._stream.slabs
+        slab = loader._stream.feed.slabs
         for batch in loader:
             assert batch["x"].is_pinned()
             lo = slab[0].slot_bytes(0).ctypes.data
@@ -317,7 +317,7 @@ def test_close_and_garbage_collection_unregister_every_slab(big_cache, cuda):
         loader = make_torch_loader(big_cache, 2, num_workers=2, device="cuda")
         for _ in loader:
             pass
-        addresses = [s.slot_bytes(0).ctypes.data for s in loader._stream.slabs]
+        addresses = [s.slot_bytes(0).ctypes.data for s in loader._stream.feed.slabs]
         assert loader.registered_bytes > 0
         if ending == "close":
             loader.close()

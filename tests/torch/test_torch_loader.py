@@ -288,11 +288,11 @@ def test_zero_copy_batches_kept_across_epochs_survive_new_workers(tmp_path):
 def test_a_slow_worker_abandoned_before_its_first_batch_leaves_the_next_epoch_whole(id_cache, monkeypatch):
     # Worker 1 reaches its first pull of epoch 1 only after the loop broke out and epoch 2 was
     # announced. That stale pull belongs to epoch 1 and must not take epoch 2's plan.
-    import growcache.adapters.torch_loader as torch_loader
+    import growcache.worker_feed as worker_feed
 
     written = write_shards(id_cache, [40] * 4)
-    monkeypatch.setattr(torch_loader, "_PLAN_TIMEOUT_S", 8.0)
-    receive = torch_loader._CacheStream._receive
+    monkeypatch.setattr(worker_feed, "PLAN_TIMEOUT_S", 8.0)
+    receive = worker_feed.WorkerFeed._receive
     slowed = []
 
     def slow_first_receive(self, worker, *args):
@@ -301,7 +301,7 @@ def test_a_slow_worker_abandoned_before_its_first_batch_leaves_the_next_epoch_wh
             time.sleep(1.5)
         return receive(self, worker, *args)
 
-    monkeypatch.setattr(torch_loader._CacheStream, "_receive", slow_first_receive)
+    monkeypatch.setattr(worker_feed.WorkerFeed, "_receive", slow_first_receive)
     loader = make_torch_loader(id_cache, 4, num_workers=2, seed=0, persistent_workers=True,
                                multiprocessing_context="fork")
     for _ in loader:
