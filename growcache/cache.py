@@ -28,7 +28,7 @@ from .errors import (
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
 from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
-from .records import check_records, iter_records
+from .records import check_records, compressed_file_message, detect_compression, iter_records
 from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
 from .shard import ShardInfo, scan_shards
@@ -413,8 +413,6 @@ class Cache:
         The one place that decides what ``add_shard`` accepts: a check for another kind of
         file goes here.
         """
-        from .importer import compressed_file_message, detect_compression
-
         with open(tmp, "rb") as f:
             compression = detect_compression(f.read(64))
         if compression is not None:  # not corrupt: `growcache import` reads it

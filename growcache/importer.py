@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._retry import RetryPolicy
 from ._size import parse_size
 from .errors import CompressedFileError, CorruptShardError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker, scan_example
 from .manifest import _unlink_quiet
-from .records import FOOTER_BYTES, HEADER_BYTES, masked_crc32c
+from .records import FOOTER_BYTES, HEADER_BYTES, compressed_file_message, detect_compression, masked_crc32c
 from .schema import Schema
-from .sources import RetryPolicy, _StoreSource
+from .store import StoreSource
 from .tensor_proto import parse_tensor
 from .writer import temp_shard_name
 
@@ -58,37 +59,6 @@ _IOV_MAX = 1024
 _WBITS = {"GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
 
 
-def detect_compression(head: bytes) -> str | None:
-    """``"GZIP"``, ``"ZLIB"`` or ``None`` (a plain TFRecord file, or not a TFRecord file at all).
-
-    A plain file's first 12 bytes are a record length and its CRC, which no compressed
-    stream matches by chance; GZIP starts with ``1f 8b``; ZLIB with a 2-byte header whose
-    check bits hold, and its first bytes must then inflate to a valid record header.
-    """
-    if len(head) >= HEADER_BYTES:
-        length_crc = _CRC.unpack_from(head, 8)[0]
-        if masked_crc32c(head[:8]) == length_crc:
-            return None
-    if head[:2] == b"\x1f\x8b":
-        return "GZIP"
-    if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
-        try:
-            inflated = zlib.decompressobj(zlib.MAX_WBITS).decompress(head, HEADER_BYTES)
-        except zlib.error:
-            return None
-        if len(inflated) < HEADER_BYTES or masked_crc32c(inflated[:8]) == _CRC.unpack_from(inflated, 8)[0]:
-            return "ZLIB"
-    return None
-
-
-def compressed_file_message(source: str, compression: str, cache_path: str | None = None) -> str:
-    """What to tell a user who gave a compressed file where a plain one is needed."""
-    target = cache_path or "CACHE_DIR"
-    return (f"{source} is a {compression}-compressed TFRecord file, not a corrupt one: a cache holds uncompressed "
-            f"shards. Run `growcache import {source} {target}`, which decompresses it (and checks every record), "
-            "or decompress it first.")
-
-
 @dataclass(frozen=True)
 class CopiedShard:
     """A verified temporary shard in a cache's shard directory, ready to publish.
@@ -110,7 +80,7 @@ class CopiedShard:
     last: bool = False
 
 
-class TFRecordFiles(_StoreSource):
+class TFRecordFiles(StoreSource):
     """TFRecord files at a URL, glob or list of them, read as verified record streams.
 
     Args:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,7 +19,17 @@ import crc32c as _crc32c
 from .errors import CorruptShardError
 from .shard import ShardInfo
 
-__all__ = ["check_records", "count_checked", "frame_footer", "frame_header", "iter_records", "masked_crc32c", "unmask_crc32c"]
+__all__ = [
+    "check_records",
+    "compressed_file_message",
+    "count_checked",
+    "detect_compression",
+    "frame_footer",
+    "frame_header",
+    "iter_records",
+    "masked_crc32c",
+    "unmask_crc32c",
+]
 
 _MASK_DELTA = 0xA282EAD8
 HEADER_BYTES = 12
@@ -266,3 +277,34 @@ class _FrameReader:
         if self.named_bytes is not None:
             raise CorruptShardError(path, min(size, self.named_bytes),
                                     f"has {size} bytes, its name says {self.named_bytes}")
+
+
+def detect_compression(head: bytes) -> str | None:
+    """``"GZIP"``, ``"ZLIB"`` or ``None`` (a plain TFRecord file, or not a TFRecord file at all).
+
+    A plain file's first 12 bytes are a record length and its CRC, which no compressed
+    stream matches by chance; GZIP starts with ``1f 8b``; ZLIB with a 2-byte header whose
+    check bits hold, and its first bytes must then inflate to a valid record header.
+    """
+    if len(head) >= HEADER_BYTES:
+        length_crc = _CRC.unpack_from(head, 8)[0]
+        if masked_crc32c(head[:8]) == length_crc:
+            return None
+    if head[:2] == b"\x1f\x8b":
+        return "GZIP"
+    if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        try:
+            inflated = zlib.decompressobj(zlib.MAX_WBITS).decompress(head, HEADER_BYTES)
+        except zlib.error:
+            return None
+        if len(inflated) < HEADER_BYTES or masked_crc32c(inflated[:8]) == _CRC.unpack_from(inflated, 8)[0]:
+            return "ZLIB"
+    return None
+
+
+def compressed_file_message(source: str, compression: str, cache_path: str | None = None) -> str:
+    """What to tell a user who gave a compressed file where a plain one is needed."""
+    target = cache_path or "CACHE_DIR"
+    return (f"{source} is a {compression}-compressed TFRecord file, not a corrupt one: a cache holds uncompressed "
+            f"shards. Run `growcache import {source} {target}`, which decompresses it (and checks every record), "
+            "or decompress it first.")

@@ -43,7 +43,7 @@ from . import _proc
 from .errors import CacheFormatError, SchemaError
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, copy_records, iter_frames
-from .sources import RetryPolicy
+from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .cache import Cache

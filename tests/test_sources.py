@@ -314,7 +314,7 @@ def test_a_store_that_never_replies_fails_as_transient(protocol, s3_server):
 
 
 def test_explicit_client_options_win_over_the_retry_policy():
-    from growcache.sources import _client_options
+    from growcache.store import _client_options
 
     policy = RetryPolicy(stall_timeout=7)
     mine = {"config_kwargs": {"read_timeout": 99, "retries": {"max_attempts": 3}}, "anon": True}
