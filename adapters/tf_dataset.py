@@ -1,25 +1,20 @@
 """``make_tf_dataset``: a ``tf.data`` pipeline that reads a growing cache, one snapshot per epoch.
 
-The epoch (snapshot, agreement between input pipelines, plan, lease, corrupt-shard report,
-defaults) is the core's :class:`growcache.epoch.Epochs`; each iterator's start, leave, shard
-checks and batches are :mod:`growcache.pull_feed`'s. This module bridges them to
-``tf.data``. Every new iterator over the dataset is one epoch. Its first stage runs once per
-iterator: it starts the epoch and returns this pipeline's share as tensors. After it, with
-``reader="growcache"``, the core's readers are pulled a batch per call into zero-copy tensors;
-with ``reader="tensorflow"``, TensorFlow's C++ runtime reads: an interleave of
-``TFRecordDataset`` over the shard paths (each shard checked by growcache first, when
-verifying), a record shuffle buffer, ``batch``, batched ``tf.io.parse_example``,
-``tf.io.decode_raw`` and ``reshape``.
+The epoch is the core's :class:`growcache.epoch.Epochs`; each iterator's start, leave, shard
+checks and batches are :mod:`growcache.pull_feed`'s. This module bridges them to ``tf.data``.
+Every iterator over the dataset is one epoch. Its first stage starts the epoch and returns this
+pipeline's share as tensors. After it, ``reader="growcache"`` pulls the core's readers a batch
+per call into zero-copy tensors; ``reader="tensorflow"`` runs in TensorFlow's runtime: an
+interleave of ``TFRecordDataset`` (each shard checked by growcache first, when verifying), a
+shuffle buffer, ``batch``, batched ``parse_example``, ``decode_raw`` and ``reshape``.
 
-That first stage is a ``GeneratorDataset`` of one element, nested in a ``flat_map`` of
-``Dataset.range(1)``. TensorFlow runs its finalizer when the C++ iterator holding it goes away,
-whoever made that iterator (``iter()``, a derived ``ds.map(...)``, ``tf.distribute``, Keras, a
-``tf.function`` loop) and whoever still holds the dataset. So the iterator leaves the epoch
-(:meth:`growcache.pull_feed.IteratorEpochs.leave`) at the first of: its second pull, which
-comes once every record of the epoch has left the read stages, or the iterator's teardown. No
-lease waits for Python's garbage collector. (At the top of a pipeline a ``GeneratorDataset``
-would turn off TensorFlow's rewrites of the whole pipeline, which cannot be serialized with it;
-inside a ``flat_map`` function it costs nothing per record.)
+That first stage is a one-element ``GeneratorDataset`` nested in a ``flat_map``. TensorFlow runs
+its finalizer when the C++ iterator holding it goes, whoever made that iterator (``iter()``, a
+derived ``ds.map(...)``, ``tf.distribute``, Keras, a ``tf.function`` loop). So the iterator
+leaves the epoch at the first of its second pull (every record has left the read stages) and
+its teardown, never by garbage collection. (At the top of a pipeline a ``GeneratorDataset``
+would turn off TensorFlow's rewrites of the whole pipeline; inside a ``flat_map`` it costs
+nothing per record.)
 """
 
 from __future__ import annotations
@@ -78,32 +73,28 @@ def make_tf_dataset(
 
     Each ``iter(ds)`` (each ``for batch in ds:``, each Keras epoch) is one epoch over the
     shards that exist when it starts, every record exactly once, in an order fixed by
-    ``(seed, epoch)``. Plain ``model.fit(ds, epochs=N)`` cuts later epochs at the first
-    epoch's length (Keras 3 with datasets of unknown cardinality); train with
-    :func:`growcache.fit_growing` to follow the growth.
+    ``(seed, epoch)``, where ``epoch`` counts this dataset's iterators. Plain
+    ``model.fit(ds, epochs=N)`` cuts later epochs at the first epoch's length (Keras 3 with
+    datasets of unknown cardinality); train with :func:`growcache.fit_growing` to follow the
+    growth.
 
     ``seed``, ``shuffle_buffer``, ``drop_remainder`` (``drop_last``), ``verify``,
     ``on_corrupt``, ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in
-    ``make_torch_loader``, with the same defaults: see :class:`growcache.epoch.EpochOptions`.
+    ``make_torch_loader``, with the same defaults, and are documented with how each reader
+    applies them in :class:`growcache.epoch.EpochOptions`.
 
     Args:
         cache: a :class:`Cache` or the path of a cache directory.
         batch_size: records per batch of this input pipeline (under ``tf.distribute``,
             the per-replica batch size, e.g. ``input_context.get_per_replica_batch_size(B)``).
-        shuffle_buffer: records shuffled together; ``0`` turns record shuffling off. With
-            ``reader="growcache"`` each reader scatters windows of this many records (rounded
-            up to whole batches, at least two) over their batches at no extra copy; with
-            ``reader="tensorflow"`` it is a ``Dataset.shuffle`` buffer. Default: about 32 MiB
-            of records, at least two batches, at most 8192 records.
-        seed: seed of the shard order and the record shuffle; the first pipeline's is used by
-            every pipeline of its group. Epoch ``e`` shuffles with ``(seed, e)``, where ``e``
-            counts this dataset's iterators. Default: ``0``.
-        cycle_length: shards read at once. With ``reader="growcache"``, the reader threads
-            of this pipeline, each forming its own batches, so an epoch may end with up to
-            this many partial batches (one reader per pipeline under ``input_context`` with
-            several pipelines); default half the CPU count, 1 to 4. With
-            ``reader="tensorflow"``, the interleave's; default the CPU count, 4 to 16, at
-            most the epoch's shards.
+        shuffle_buffer: records shuffled together; ``0`` for none. Default: about 32 MiB.
+        seed: shard order and record shuffle; the first pipeline's serves its group.
+            Default: ``0``.
+        cycle_length: shards read at once. ``reader="growcache"``: this pipeline's reader
+            threads, each forming its own batches, so an epoch may end with that many partial
+            batches (one reader per pipeline under ``input_context`` with several pipelines);
+            default half the CPU count, 1 to 4. ``reader="tensorflow"``: the interleave's;
+            default the CPU count, 4 to 16, at most the epoch's shards.
         block_length: consecutive records taken from one shard (``reader="tensorflow"``).
             Default: ``1``.
         drop_remainder: drop the final partial batch. Default: ``False``.
@@ -116,30 +107,24 @@ def make_tf_dataset(
             Default: ``None`` (elements are a dict of tensors).
         features: the schema, for a cache that has none stored; must equal the stored one
             otherwise. Default: ``None`` (the cache's schema).
-        verify: check every record's CRC32Cs; lengths, framing and record counts are checked
-            in any case. ``reader="growcache"`` checks records as it reads them, before their
-            batch is delivered; ``reader="tensorflow"`` checks each shard whole before
-            TensorFlow opens it, so a corrupt or crafted shard never reaches TensorFlow's
-            reader (``False`` leaves the shards to TensorFlow's reader). Default: ``True``.
-        on_corrupt: ``"raise"``: :class:`~growcache.CorruptShardError` naming the file and
-            offset (inside Keras, in a ``tf.errors.OpError``'s message); with
-            ``reader="growcache"``, after the batches completed before the bad record.
-            ``"skip"``: the rest of the shard from the bad record on (``reader="tensorflow"``:
-            the whole shard), logged and noted in ``skipped``. Default: ``"raise"``.
-        wait_for_shards: seconds an epoch waits for a first shard in an empty cache, then
-            raises :class:`EmptyCacheError`; ``0`` raises at construction if the cache is
-            empty now. Default: ``0.0``.
+        verify: check every record's CRC32Cs; with ``reader="tensorflow"``, each shard whole
+            before TensorFlow opens it, so a corrupt or crafted shard never reaches
+            TensorFlow's reader. Default: ``True``.
+        on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError` naming the file and
+            offset (inside Keras, in a ``tf.errors.OpError``'s message), or ``"skip"`` the
+            shard from the bad record on (``reader="tensorflow"``: whole), noted in
+            ``skipped``. Default: ``"raise"``.
+        wait_for_shards: seconds an epoch waits for a first shard; ``0`` raises
+            :class:`EmptyCacheError` at construction if the cache is empty. Default: ``0.0``.
         deterministic: keep the interleave and parse order deterministic, so that
             ``(seed, epoch)`` fixes the record order too; ``False`` lets a slow shard be
             overtaken. Default: ``True``.
         read_buffer: read buffer of each ``TFRecordDataset`` in bytes, ``cycle_length`` of
             them live at once (``reader="tensorflow"``; TensorFlow's own 256 KiB cost about
             25% more CPU per GB here, for 1 MiB records). Default: 8 MiB.
-        split: which input pipelines share one snapshot per epoch: ``"shared"``, all of
-            them; ``"node"``, those of this process (one worker per machine, each with its own
-            cache). Default: ``"shared"``.
-        run_id: keeps this run's epoch files apart from another's. Default: ``None``
-            (``$GROWCACHE_RUN_ID``, or none).
+        split: ``"shared"`` (every pipeline reads one snapshot per epoch) or ``"node"``
+            (those of this process: a cache per machine). Default: ``"shared"``.
+        run_id: keeps this run's epoch files apart from another's. Default: ``None``.
         reader: ``"growcache"``: the core's vectorized reader
             (:class:`~growcache.vector_reader.VectorReader`) reads batches, one Python call per
             batch, and hands them to TensorFlow without a copy (large features are views of
@@ -149,13 +134,12 @@ def make_tf_dataset(
             ``parse_example`` in TensorFlow's runtime. Default: ``"growcache"``.
 
     Returns:
-        The dataset. Its elements hold the schema's dtypes with shapes ``(batch, *shape)``.
-        It carries ``skipped``, a list of :class:`~growcache.batching.Skipped` notes of the
-        shards skipped (``corrupt_shards`` is the same list, under its old name).
+        The dataset; elements hold the schema's dtypes with shapes ``(batch, *shape)``. Its
+        ``skipped`` (alias ``corrupt_shards``) lists the :class:`~growcache.batching.Skipped`
+        shards.
 
     Raises:
-        SchemaError: the cache has no schema and ``features`` is not given, or ``label``
-            is not a feature.
+        SchemaError: no schema stored or given, or ``label`` is not a feature.
         SchemaMismatchError: ``features`` differs from the cache's schema.
         EmptyCacheError: the cache is empty and ``wait_for_shards`` is ``0``.
         ValueError: an argument is out of range.

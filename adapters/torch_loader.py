@@ -1,18 +1,13 @@
 """PyTorch adapter: ``make_torch_loader`` turns a growing cache into a ``DataLoader``.
 
-The epoch itself (snapshot, agreement between ranks, plan, shares, lease, corrupt-shard
-report, defaults) is the core's :class:`growcache.epoch.Epochs`; the trip of each epoch's
-shares to the workers and of their batches back through shared-memory slabs is
+The epoch (snapshot, agreement between ranks, plan, shares, lease, corrupt-shard report,
+defaults) is the core's :class:`growcache.epoch.Epochs`; the trip of each epoch's shares to the
+workers and of their batches back through shared-memory slabs is
 :class:`growcache.worker_feed.WorkerFeed`. This module wires them into DataLoader terms:
-
-* ``iter(loader)`` starts the epoch in the training process and announces it to the workers.
-  Workers, persistent or not, fix the epoch when DataLoader asks them for an iterator and
-  wait for their share at its first pull.
-* Workers read their share into a slot of their slab and yield a
-  :class:`~growcache.transport.SlotHandle`; the training process turns it into tensors over
-  the slab without a copy (``torch.from_numpy``).
-* Under ``torch.distributed``, ranks agree on each epoch through ``all_gather_object``
-  (:class:`growcache.rendezvous.CollectiveRendezvous`).
+``iter(loader)`` starts the epoch and announces it to the workers, which read their shares into
+slab slots and yield :class:`~growcache.transport.SlotHandle` s; the training process wraps a
+slot's arrays in tensors without a copy (``torch.from_numpy``). Under ``torch.distributed``,
+ranks agree on each epoch through ``all_gather_object``.
 """
 
 from __future__ import annotations

@@ -187,9 +187,10 @@ class EpochOptions:
             record shuffle from ``(seed, e, reader)``. The first rank's seed and epoch number
             are used by every rank of its group. ``None`` means the default. Default: ``0``.
         shuffle_buffer: records shuffled together in each reader; ``0`` turns the record
-            shuffle off (shards are still shuffled per epoch). PyTorch scatters each window of
-            this many records (rounded up to whole batches, at least two) over its batches, at
-            no extra copy; TensorFlow uses a ``Dataset.shuffle`` buffer. Default: ``None``,
+            shuffle off (shards are still shuffled per epoch). growcache's readers (PyTorch's,
+            and TensorFlow's ``reader="growcache"``) scatter each window of this many records
+            (rounded up to whole batches, at least two) over its batches, at no extra copy;
+            TensorFlow's ``reader="tensorflow"`` uses a ``Dataset.shuffle`` buffer. Default: ``None``,
             about 32 MiB of records, at least two batches and at most 8192 records
             (:func:`~growcache.batching.default_shuffle_buffer`).
         drop_last: drop each reader's final partial batch; with ``even_batches`` and several
@@ -201,8 +202,9 @@ class EpochOptions:
             counts are checked anyway. TensorFlow's reader gets a shard only once growcache
             has checked it whole. Default: ``True``.
         on_corrupt: ``"raise"`` a :class:`~growcache.CorruptShardError` naming the file and
-            offset, or ``"skip"`` the shard from the bad record on (TensorFlow: the whole
-            shard), noted in ``skipped`` and logged. Default: ``"raise"``.
+            offset, after the batches completed before the bad record, or ``"skip"`` the shard
+            from the bad record on (TensorFlow's ``reader="tensorflow"``: the whole shard),
+            noted in ``skipped`` and logged. Default: ``"raise"``.
         wait_for_shards: seconds an epoch waits for a first shard in an empty cache before
             :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
         split: the ranks that read one snapshot per epoch: ``"shared"``, all of them (one
