@@ -18,7 +18,6 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
-import queue as queue_module
 import shutil
 import sys
 import time
@@ -106,6 +105,20 @@ class _Table:
         self.write(" ".join(f"{value:{align}{fmt}}" for value, (_, align, fmt) in zip(values, self.COLUMNS)))
 
 
+class _Rows:
+    """The trainer's side of the table: rows over a one-way pipe.
+
+    A ``multiprocessing`` queue would do, but its named semaphores outlive a demo killed with
+    its process group (see docs/pitfalls.md).
+    """
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+
+    def put(self, row: dict[str, Any]) -> None:
+        self._send.send(row)
+
+
 def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the demo with the flags of ``growcache demo``; return the exit code.
 
@@ -156,15 +169,21 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
             options = {"cache": cache_dir, "epochs": args.epochs, "batch_size": args.batch_size,
                        "loader_workers": args.loader_workers, "epoch_seconds": args.epoch_seconds,
                        "features": WINDOW * HEIGHT * WIDTH, "learning_rate": _LEARNING_RATE}
-            results = ctx.Queue()
-            child = ctx.Process(target=train, args=(framework, options, results), name=f"demo-{framework}")
-            child.start()
+            results, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=train, args=(framework, options, _Rows(send)), name=f"demo-{framework}")
+            try:
+                child.start()
+            finally:
+                send.close()  # the trainer holds the only write end: its exit reads as the pipe's end
             last_bytes, last_time = pool.stats().bytes_written, time.monotonic()
             progress = None
             while True:
                 try:
-                    row = results.get(timeout=1.0)
-                except queue_module.Empty:
+                    row = results.recv() if results.poll(1.0) else None
+                except EOFError:  # the trainer exited without saying it was done
+                    child.join(30)
+                    row = None
+                if row is None:
                     pool.raise_if_failed()
                     if not child.is_alive():
                         logger.error("the %s trainer exited with code %s", framework, child.exitcode)
@@ -197,6 +216,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
                           row["mbps"], row["cpu_pct"], sampler_mbps, format_size(cache.stats().bytes), row["loss"])
             if progress is not None:
                 progress.close()
+            results.close()
             child.join(30)
             if child.is_alive():
                 child.kill()
