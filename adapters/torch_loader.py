@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_in
 
 from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
 from growcache.adapters.tfrecord_frames import tfrecord_frames
-from growcache.batching import Skipped, growcache_frames
+from growcache.batching import growcache_frames
 from growcache.cache import Cache
-from growcache.epoch import Epoch, EpochOptions, Epochs
+from growcache.epoch import Epoch, EpochBookkeeping, EpochOptions, Epochs
 from growcache.errors import ForeignLoaderError
 from growcache.readers import ReaderSpec
 from growcache.transport import COPY_BELOW, SlotHandle
@@ -107,14 +107,12 @@ def _all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
-class GrowcacheLoader(DataLoader):
+class GrowcacheLoader(EpochBookkeeping, DataLoader):
     """A ``DataLoader`` whose every ``iter()`` is one epoch on a fresh cache snapshot.
 
-    Build it with :func:`make_torch_loader`. Extra attributes:
-
-    Attributes:
-        epochs: the core's :class:`~growcache.epoch.Epochs` behind the loader.
-        last_epoch: the :class:`~growcache.epoch.Epoch` the latest ``iter()`` started.
+    Build it with :func:`make_torch_loader`. Its ``epochs``, ``last_epoch`` (set by each
+    ``iter()``), ``epoch``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``skipped`` and
+    ``last_plan`` are the core's :class:`~growcache.epoch.EpochBookkeeping`.
     """
 
     def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, slots: int,
@@ -127,7 +125,6 @@ class GrowcacheLoader(DataLoader):
         self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
         self._closed = False
-        self.last_epoch: Epoch | None = None
         if delivery is not None:
             delivery.bind(self)
 
@@ -157,17 +154,6 @@ class GrowcacheLoader(DataLoader):
         self.close()
 
     @property
-    def epoch(self) -> int:
-        """The epoch the next ``iter()`` reads (``set_epoch`` changes it)."""
-        return self.epochs.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` next (the shard order depends on ``(seed, epoch)``); if ``epoch`` is
-        the one being read now, the next is ``epoch + 1``. Lightning calls it through
-        ``loader.sampler`` at the start of every epoch."""
-        self.epochs.set_epoch(epoch)
-
-    @property
     def sampler(self) -> Sampler:
         """DataLoader's endless stand-in sampler of an iterable dataset, with ``set_epoch``: trainers
         (Lightning) set the epoch on a loader's sampler, and this one passes it to the loader."""
@@ -176,27 +162,6 @@ class GrowcacheLoader(DataLoader):
     @sampler.setter
     def sampler(self, _value: Any) -> None:
         pass  # DataLoader.__init__ sets its own stand-in; ours replaces it
-
-    def state_dict(self) -> dict[str, int]:
-        """The epoch to resume at, for trainers that checkpoint loaders (Lightning, torchdata's
-        ``Stateful``): the epoch being read (a run resumed mid-epoch reads it again, whole), else
-        the next one."""
-        latest = self.last_epoch
-        return {"epoch": latest.number if latest is not None and not latest.ended else self.epochs.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state["epoch"]`` (from :meth:`state_dict`)."""
-        self.epochs.epoch = int(state["epoch"])
-
-    @property
-    def skipped(self) -> list[Skipped]:
-        """:class:`~growcache.batching.Skipped` notes of corrupt shards passed over, all epochs."""
-        return self.epochs.skipped
-
-    @property
-    def last_plan(self) -> Any:
-        """The :class:`~growcache.planning.EpochPlan` of the latest epoch, set by ``iter()``."""
-        return self.last_epoch.plan if self.last_epoch is not None else None
 
     def __len__(self) -> int:
         # No length, even during an epoch: trainers read a loader's length once and stop every

@@ -67,6 +67,7 @@ __all__ = [
     "DEFAULT_SPLIT",
     "DEFAULT_VERIFY",
     "Epoch",
+    "EpochBookkeeping",
     "EpochOptions",
     "Epochs",
     "Group",
@@ -757,3 +758,52 @@ class Epoch:
             agreement.release(self.snapshot.close)
         else:
             self.snapshot.close()
+
+
+class EpochBookkeeping:
+    """What a trainer asks of an adapter object about its epochs, for one that reads through
+    ``self.epochs`` (an :class:`Epochs`) and sets ``self.last_epoch`` at each start.
+
+    Mixed into the PyTorch loader, whose trainers (Lightning, torchdata's ``Stateful``) call
+    ``set_epoch`` and ``state_dict``/``load_state_dict`` on it; framework-neutral, so another
+    adapter's loader object can take it too.
+
+    Attributes:
+        epochs: the :class:`Epochs` behind the object.
+        last_epoch: the :class:`Epoch` the latest start began; ``None`` before the first.
+    """
+
+    epochs: Epochs
+    last_epoch: Epoch | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next start reads (``set_epoch`` changes it)."""
+        return self.epochs.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next (the shard order depends on ``(seed, epoch)``); if ``epoch`` is
+        the one being read now, the next is ``epoch + 1``. Lightning calls it through
+        ``loader.sampler`` at the start of every epoch."""
+        self.epochs.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch to resume at, for trainers that checkpoint loaders (Lightning, torchdata's
+        ``Stateful``): the epoch being read (a run resumed mid-epoch reads it again, whole), else
+        the next one."""
+        latest = self.last_epoch
+        return {"epoch": latest.number if latest is not None and not latest.ended else self.epochs.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["epoch"]`` (from :meth:`state_dict`)."""
+        self.epochs.epoch = int(state["epoch"])
+
+    @property
+    def skipped(self) -> list[Skipped]:
+        """:class:`~growcache.batching.Skipped` notes of corrupt shards passed over, all epochs."""
+        return self.epochs.skipped
+
+    @property
+    def last_plan(self) -> EpochPlan | None:
+        """The :class:`~growcache.planning.EpochPlan` of the latest epoch."""
+        return self.last_epoch.plan if self.last_epoch is not None else None
