@@ -25,6 +25,11 @@ is not framework wiring happens here:
 6. **The defaults** both adapters share: :data:`DEFAULT_SEED`, :data:`DEFAULT_VERIFY`,
    :data:`DEFAULT_ON_CORRUPT`, :data:`DEFAULT_SPLIT`, and a shuffle buffer of about 32 MiB
    (:func:`growcache.batching.default_shuffle_buffer`).
+
+What trainers ask of a loader about its epochs (``set_epoch``, ``state_dict``) is
+:class:`EpochBookkeeping`. How each epoch's shares reach the readers is
+:mod:`growcache.worker_feed` (reader processes) and :mod:`growcache.pull_feed` (a framework
+that pulls from its own threads).
 """
 
 from __future__ import annotations
