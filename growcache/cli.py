@@ -223,13 +223,24 @@ def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) 
 
 
 def _sample_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="fsspec URL or glob of the objects, e.g. s3://bucket/arrays/*.npy")
+    p.add_argument("source", help="fsspec URL or glob of the objects, e.g. s3://bucket/arrays/*.npy "
+                                  "(with --tfrecord: of TFRecord files, e.g. gs://bucket/train-*)")
     p.add_argument("cache", help="the cache directory (created if missing)")
+    p.add_argument("--tfrecord", action="store_true",
+                   help="SOURCE is existing TFRecord files (plain, GZIP or ZLIB): copy them whole through the cache, "
+                        "every record's CRCs and schema checked, in a new shuffled order each pass (the oldest "
+                        "evicted at the budget and fetched again in the next pass), until Ctrl-C. Takes no "
+                        "--window, --dtype, --shape, --feature or --records")
+    p.add_argument("--schema", default=None,
+                   help="with --tfrecord: the records' schema as `growcache schema` prints it (default: the cache's; "
+                        "for a new cache, inferred from the first file)")
+    p.add_argument("--max-shard-records", type=int, default=None, metavar="N",
+                   help="with --tfrecord: cut files into cache shards of at most N records (--shard-size cuts by size)")
     p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
     p.add_argument("--workers", type=int, default=1, help="sampler processes (default: 1)")
     p.add_argument("--window", type=int, default=None,
                    help="rows per sample: random windows of .npy arrays read by byte range (default: whole objects)")
-    p.add_argument("--feature", default="x", help="feature name of the sampled array (default: x)")
+    p.add_argument("--feature", default=None, help="feature name of the sampled array (default: x)")
     p.add_argument("--dtype", default=None, help="dtype of raw (non-.npy) objects; needs --shape")
     p.add_argument("--shape", default=None, help="shape of raw objects, e.g. 256,256")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -262,7 +273,7 @@ def _retry_policy(args: Any) -> Any:
 
 def _mismatch_hint(args: Any, schema: Any, sample: dict[str, Any]) -> str:
     """How a ``growcache sample`` user makes the source fit the cache's schema."""
-    feature = getattr(args, "feature", "x")
+    feature = getattr(args, "feature", None) or "x"
     if feature not in schema:
         return f"--feature names the stored feature: the cache stores {list(schema)}"
     stored, given = schema[feature], np.asarray(sample[feature])
@@ -280,6 +291,119 @@ def _mismatch_hint(args: Any, schema: Any, sample: dict[str, Any]) -> str:
     return "; ".join(hints) + ". A cache keeps one schema: give a new cache directory for other data"
 
 
+_SAMPLE_FLAGS = (("window", "--window"), ("dtype", "--dtype"), ("shape", "--shape"), ("feature", "--feature"),
+                 ("records", "--records"))
+_TFRECORD_FLAGS = (("schema", "--schema"), ("max_shard_records", "--max-shard-records"))
+
+
+def _check_source_flags(args: Any) -> bool:
+    """Whether ``args`` name TFRecord files (``--tfrecord``); flags of the other kind of source are usage errors."""
+    tfrecord = bool(getattr(args, "tfrecord", False))
+    if tfrecord:
+        given = [flag for name, flag in _SAMPLE_FLAGS if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for sampling arrays; --tfrecord copies "
+                f"whole TFRecord files with their records unchanged: drop {' and '.join(given)}"
+                + (" (--tfrecord runs until Ctrl-C; `growcache import` copies the files once and exits)"
+                   if "--records" in given else "")
+            )
+    else:
+        given = [flag for name, flag in _TFRECORD_FLAGS if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} go{'es' if len(given) == 1 else ''} with --tfrecord (a source of "
+                             "TFRecord files); sampled arrays take their schema from the first sample and are cut into "
+                             "shards by --shard-size")
+    return tfrecord
+
+
+def _open_tfrecord_source(args: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+    """``growcache sample --tfrecord``: the TFRecordShardSource and its cache, its first records checked."""
+    from .cache import Cache
+    from .errors import CorruptShardError, SourceError
+    from .importer import parse_schema
+    from .shard_source import TFRecordShardSource
+
+    records = getattr(args, "max_shard_records", None)
+    if records is not None and records < 1:
+        raise ValueError(f"--max-shard-records must be at least 1, got {records}")
+    try:
+        schema = parse_schema(args.schema) if getattr(args, "schema", None) is not None else None
+    except SchemaError as exc:
+        raise ValueError(f"--schema: {exc}") from None
+    source = TFRecordShardSource(args.source, storage_options=options, retry=_retry_policy(args),
+                                 max_shard_records=records)
+    cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
+    try:
+        found = source.probe(cache.schema)
+    except CorruptShardError as exc:
+        raise SourceError(source.redact(
+            f"{exc.path} is not a TFRecord file, or is damaged ({exc.reason} at byte offset {exc.offset}): "
+            "--tfrecord copies TFRecord files (plain, GZIP or ZLIB) as tf.io.TFRecordWriter writes them; "
+            "drop --tfrecord to sample .npy arrays or raw objects"
+        )) from None
+    except SchemaError as exc:
+        if cache.schema is None:
+            raise
+        raise SchemaError(f"{source.redact(args.source)} does not fit the schema {cache.schema!r} of cache "
+                          f"{cache.path}: {exc}. A cache keeps one schema: give a new cache directory for other "
+                          "data") from None
+    if cache.schema is None:
+        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=found)
+        logger.info("cache %s: schema %r inferred from the first file", cache.path, found)
+    return source, cache
+
+
+def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: int) -> tuple[Any, Any]:
+    """``growcache sample`` of arrays: the source and its cache, one sample drawn and checked."""
+    from .cache import Cache
+    from .errors import SourceError, TransientSourceError
+    from .sampler import describe_mismatch
+    from .schema import Schema
+    from .sources import open_source
+
+    source = open_source(args.source, window=getattr(args, "window", None),
+                         feature=getattr(args, "feature", None) or "x", dtype=getattr(args, "dtype", None),
+                         shape=shape, storage_options=options, retry=_retry_policy(args))
+    cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
+    try:
+        probe = source(np.random.default_rng(seed))
+    except (SchemaError, SourceError) as exc:
+        if isinstance(exc, TransientSourceError) or not _holds_tfrecords(source):
+            raise
+        raise type(exc)(f"{exc} The objects are TFRecord files: add --tfrecord to copy them through the cache "
+                        "(growcache sample --tfrecord SOURCE CACHE)") from None
+    if cache.schema is None:
+        schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
+        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
+        logger.info("cache %s: schema %r taken from the source", cache.path, schema)
+    else:
+        problem = describe_mismatch(cache.schema, probe)
+        if problem is not None:
+            raise SchemaError(f"{source.redact(args.source)} does not fit cache {cache.path}: {problem}. "
+                              f"{_mismatch_hint(args, cache.schema, probe)}.")
+    return source, cache
+
+
+def _holds_tfrecords(source: Any) -> bool:
+    """Whether the first object of ``source`` starts as a TFRecord file does (plain, GZIP or ZLIB)."""
+    import zlib
+
+    from .records import HEADER_BYTES, detect_compression, masked_crc32c
+
+    try:
+        head = source._fetch(source.paths()[0], 0, 256)
+    except Exception:  # the error being reported says more than this guess could
+        return False
+    compression = detect_compression(head)
+    if compression is not None:
+        try:
+            head = zlib.decompressobj(zlib.MAX_WBITS | (16 if compression == "GZIP" else 0)).decompress(head)
+        except zlib.error:
+            return False
+    return len(head) >= HEADER_BYTES and masked_crc32c(head[:8]) == int.from_bytes(head[8:12], "little")
+
+
 def run_sample_command(args: Any) -> int:
     """``growcache sample``: grow a cache from a source URL until Ctrl-C or ``--records``.
 
@@ -287,6 +411,9 @@ def run_sample_command(args: Any) -> int:
     defaults). When the cache has no schema yet, it is taken from one sample drawn here;
     when it has one, that sample must fit it. Both check the store before any worker starts,
     so a store that cannot be reached, or data of another shape, is one error, at once.
+    With ``tfrecord`` set, the source is a :class:`~growcache.TFRecordShardSource` and the
+    first records of its first file play that sample's part (the schema is ``schema``, the
+    cache's, or inferred from them).
 
     Returns:
         0 when it stopped as asked (``--records`` reached or Ctrl-C).
@@ -295,15 +422,13 @@ def run_sample_command(args: Any) -> int:
         ValueError: a usage error (the CLI exits 2).
         GrowcacheError: the store, the source or the samplers failed (the CLI exits 1).
     """
-    from .cache import Cache
-    from .sampler import SamplerPool, describe_mismatch
-    from .schema import Schema
-    from .sources import open_source
+    from .sampler import SamplerPool
 
+    # ValueErrors here are usage errors: the CLI reports them and exits 2.
+    tfrecord = _check_source_flags(args)
     shape = getattr(args, "shape", None)
     if isinstance(shape, str):
         shape = tuple(int(d) for d in shape.replace("x", ",").split(",") if d.strip())
-    # ValueErrors here are usage errors: the CLI reports them and exits 2.
     if (getattr(args, "dtype", None) is None) != (shape is None):
         raise ValueError("--dtype and --shape go together: raw objects need both; .npy objects need neither")
     workers = getattr(args, "workers", 1)
@@ -318,27 +443,17 @@ def run_sample_command(args: Any) -> int:
     shard_size = getattr(args, "shard_size", None)
     _check_shard_size(shard_size, getattr(args, "capacity", None))
     options = parse_storage_options(getattr(args, "storage_option", None))
-    source = open_source(args.source, window=getattr(args, "window", None), feature=getattr(args, "feature", "x"),
-                         dtype=getattr(args, "dtype", None), shape=shape, storage_options=options,
-                         retry=_retry_policy(args))
-    cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
-    probe = source(np.random.default_rng(seed))
-    if cache.schema is None:
-        schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
-        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
-        logger.info("cache %s: schema %r taken from the source", cache.path, schema)
+    if tfrecord:
+        source, cache = _open_tfrecord_source(args, options)
     else:
-        problem = describe_mismatch(cache.schema, probe)
-        if problem is not None:
-            raise SchemaError(f"{source.redact(args.source)} does not fit cache {cache.path}: {problem}. "
-                              f"{_mismatch_hint(args, cache.schema, probe)}.")
+        source, cache = _open_sample_source(args, options, shape, seed)
     _check_shard_size(shard_size, cache.capacity)
     pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
                        max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed, stop_after=target)
     interrupted = False
     with _progress(args, "sample", total=target, unit="rec") as progress:
-        pool.start()
         try:
+            pool.start()  # a Ctrl-C while the workers start stops them as cleanly as one later
             while True:
                 pool.raise_if_failed()
                 s = pool.stats()

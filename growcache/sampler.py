@@ -354,12 +354,21 @@ class SamplerPool:
             name=f"growcache-sampler-{index}",
             daemon=True,  # dies with the training process if stop() is never called
         )
+        # The worker starts with SIGINT blocked (a mask survives fork and exec) and unblocks it
+        # once it ignores it: a Ctrl-C to the process group while the worker's interpreter starts
+        # and unpickles its arguments would otherwise print a KeyboardInterrupt traceback there.
+        # multiprocessing's resource tracker is started first: starting it unblocks SIGINT.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc.start()
         except BaseException:
             reports_from.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             reports_to.close()  # the worker holds the only write end: its death reads as the pipe's end
         self._close_reports(index)
         self._reports_from[index] = reports_from
@@ -850,6 +859,7 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
                  parent_pid: int, quota_lock: _ProcessLock | None = None) -> None:
     # Ctrl-C reaches the whole process group: the training process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by _spawn until now
     signal.signal(signal.SIGTERM, _on_sigterm)
     log = logging.getLogger("growcache")
     log.setLevel(cfg.log_level)

@@ -42,11 +42,12 @@ import numpy as np
 from . import _proc
 from .errors import CacheFormatError, SchemaError
 from .example import ExampleCodec, RecordChecker
-from .importer import CHUNK_BYTES, TFRecordFiles, copy_records, iter_frames
+from .importer import CHUNK_BYTES, TFRecordFiles, _infer, copy_records, iter_frames
 from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .cache import Cache
+    from .schema import Schema
     from .shard import ShardInfo
 
 __all__ = ["FetchJob", "FetchedShard", "PassProgress", "ShardSource", "TFRecordShardSource", "pass_progress"]
@@ -190,6 +191,38 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
 
     def _repr_extra(self) -> str:
         return f", max_shard_records={self.max_shard_records}, max_shard_bytes={self.max_shard_bytes}"
+
+    def probe(self, schema: Schema | None = None, *, records: int = 16) -> Schema:
+        """Read the first records of the first shard, before any worker starts.
+
+        A glob that matches nothing, a store that cannot be reached, files that are not
+        TFRecord files and records of another schema are then one error, at once.
+
+        Args:
+            schema: the schema the records must follow (the cache's). ``None``: infer it
+                (see :func:`~growcache.importer.infer_schema`).
+            records: records to read. Default: ``16``.
+
+        Returns:
+            ``schema``, or the inferred one.
+
+        Raises:
+            SourceError: the store failed, or the glob matches nothing.
+            CorruptShardError: the first shard is not a TFRecord file, or is damaged there.
+            SchemaError: its records do not follow ``schema``, or hold no fixed-shape schema.
+        """
+        path = self.paths()[0]
+        if schema is None:
+            return _infer(self, path, records)
+        url = self._url(path)
+        checker = RecordChecker(ExampleCodec(schema), url)
+        chunks, _ = self.stream(path)
+        for count, (offset, _, _, _, record) in enumerate(iter_frames(chunks, url), 1):
+            checker.check(record, offset)
+            if count >= records:
+                break
+        checker.flush()
+        return schema
 
     # -- the protocol -----------------------------------------------------------------------
     def fetch(self, job: FetchJob) -> Iterator[FetchedShard]:
