@@ -205,15 +205,24 @@ _SECRET_KEY = re.compile(r"secret|token|password|passwd|key|credential|auth|sess
 # Values of secret-looking keys that are modes, not secrets.
 _NOT_SECRET = frozenset({"anon", "google_default", "cache", "cloud", "browser", "true", "false", "none", ""})
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# Below these lengths a secret occurs in messages by chance ("a", "3", "2024"): it is hidden
+# only where it stands as a value, never inside other words or numbers.
+_ANYWHERE, _ANYWHERE_DIGITS = 4, 6
+# A value: after "=" or ":" (spaces and a quote allowed between), or quoted, and ending there.
+_AS_VALUE = r"(?P<lead>[=:]\s*['\"]?|['\"])(?:{})(?=['\"&,;)\]}}\s]|$)"
 
 
 class Redactor:
     """Removes credentials of ``storage_options`` (and URL user info) from any text.
 
+    A secret of 4 characters or more (6 for digits only) is replaced wherever it appears; a
+    shorter one only where it stands as a value: after ``=`` or ``:`` (``secret=ab``,
+    ``'token': 'ab'``) or quoted, so that a one-letter secret cannot garble a message.
+
     Args:
-        storage_options: the options given to fsspec; the values (strings, and numbers of
-            six digits or more) of every key that looks like a credential (``key``,
-            ``secret``, ``token``, ``password``, ...) are secrets, at any nesting depth.
+        storage_options: the options given to fsspec; the values (strings and numbers) of
+            every key that looks like a credential (``key``, ``secret``, ``token``,
+            ``password``, ...) are secrets, at any nesting depth.
         urls: URLs whose user info (``user:password@``) is a secret too.
     """
 
@@ -224,12 +233,17 @@ class Redactor:
             match = _URL_USERINFO.match(url)
             if match:
                 userinfo = url[len(match.group("scheme")):match.end() - 1]
-                secrets.update(part for part in (userinfo, *userinfo.split(":", 1)[1:]) if len(part) >= 4)
-        self._secrets = sorted(secrets, key=len, reverse=True)
+                secrets.update(part for part in (userinfo, *userinfo.split(":", 1)[1:]) if part)
+        by_length = sorted(secrets, key=len, reverse=True)
+        self._secrets = [s for s in by_length if len(s) >= (_ANYWHERE_DIGITS if s.isdigit() else _ANYWHERE)]
+        short = [s for s in by_length if s not in self._secrets]
+        self._short = re.compile(_AS_VALUE.format("|".join(map(re.escape, short)))) if short else None
 
     def __call__(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "***")
+        if self._short is not None:
+            text = self._short.sub(r"\g<lead>***", text)
         return _URL_USERINFO.sub(r"\g<scheme>***@", text)
 
     def options_repr(self, storage_options: Mapping[str, Any] | None) -> str:
@@ -247,9 +261,7 @@ def _collect(value: Any, secret: bool, out: set[str]) -> None:
     elif secret and value is not None and not isinstance(value, bool):
         # Numbers too: the CLI parses option values as JSON, so password=81234567 is an int.
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-        # A short number would scrub every "3" from every message; such a value is no secret anyway.
-        long_enough = isinstance(value, (str, bytes)) or len(text) >= 6
-        if text.lower() not in _NOT_SECRET and long_enough:
+        if text.lower() not in _NOT_SECRET:
             out.add(text)
 
 
