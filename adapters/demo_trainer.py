@@ -19,12 +19,12 @@ __all__ = ["train"]
 _PROGRESS_EVERY_S = 0.2
 
 
-def _epoch_shards(cache: Any) -> set[int]:
-    """The shards this process's newest lease holds: exactly the epoch's snapshot."""
-    leases = [lease for lease in cache._manifest.live_leases() if lease.get("pid") == os.getpid()]
-    if not leases:
-        return set()
-    return set(max(leases, key=lambda lease: lease.get("created", 0)).get("seqs", ()))
+def _epoch_shards(epochs: Any) -> set[int]:
+    """The shards of the epoch the input pipeline started last (``Epochs.latest``). Not the
+    live lease: a TF pipeline may read a small epoch to its end, and end its lease, before
+    the first batch reaches Python."""
+    latest = epochs.latest
+    return {shard.seq for shard in latest.shards} if latest is not None else set()
 
 
 def _cpu_seconds() -> float:
@@ -32,7 +32,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _torch_epochs(cache: Any, options: dict[str, Any], features: int, lr: float) -> Callable[[], Iterator]:
+def _torch_epochs(cache: Any, options: dict[str, Any], features: int, lr: float) -> tuple[Callable[[], Iterator], Any]:
     import torch
 
     import growcache
@@ -53,10 +53,10 @@ def _torch_epochs(cache: Any, options: dict[str, Any], features: int, lr: float)
             optimizer.step()
             yield len(x), loss.item()
 
-    return epoch_batches
+    return epoch_batches, loader.epochs
 
 
-def _tf_epochs(cache: Any, options: dict[str, Any], features: int, lr: float) -> Callable[[], Iterator]:
+def _tf_epochs(cache: Any, options: dict[str, Any], features: int, lr: float) -> tuple[Callable[[], Iterator], Any]:
     import tensorflow as tf
 
     import growcache
@@ -78,7 +78,7 @@ def _tf_epochs(cache: Any, options: dict[str, Any], features: int, lr: float) ->
         for batch in dataset:
             yield int(batch["y"].shape[0]), float(step(batch["x"], batch["y"]))
 
-    return epoch_batches
+    return epoch_batches, dataset.epochs
 
 
 def train(framework: str, options: dict[str, Any], results: Any) -> None:
@@ -89,9 +89,9 @@ def train(framework: str, options: dict[str, Any], results: Any) -> None:
         options: ``cache`` (directory), ``epochs``, ``batch_size``, ``loader_workers``,
             ``epoch_seconds`` (minimum seconds per epoch), ``features`` (values per record)
             and ``learning_rate``.
-        results: a queue; it gets ``{"ready": True}`` once the input pipeline is built,
-            ``{"progress": records}`` now and then, one row per epoch, then ``{"done": True}``
-            or ``{"error": text}``.
+        results: anything with ``put(dict)`` (the demo passes a one-way pipe); it gets
+            ``{"ready": True}`` once the input pipeline is built, ``{"progress": records}``
+            now and then, one row per epoch, then ``{"done": True}`` or ``{"error": text}``.
     """
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -100,7 +100,7 @@ def train(framework: str, options: dict[str, Any], results: Any) -> None:
     cache = Cache(options["cache"])
     try:
         build = _torch_epochs if framework == "torch" else _tf_epochs
-        epoch_batches = build(cache, options, options["features"], options["learning_rate"])
+        epoch_batches, epochs = build(cache, options, options["features"], options["learning_rate"])
         results.put({"framework": framework, "ready": True})
         previous: set[int] = set()
         evicted_before = cache.stats().evicted
@@ -114,7 +114,7 @@ def train(framework: str, options: dict[str, Any], results: Any) -> None:
             for count, loss in epoch_batches():
                 if first_batch is None:
                     first_batch = time.perf_counter() - started
-                    shards = _epoch_shards(cache)
+                    shards = _epoch_shards(epochs)
                 records += count
                 if time.perf_counter() - reported > _PROGRESS_EVERY_S:  # the parent shows progress
                     results.put({"framework": framework, "epoch": epoch + 1, "progress": records})

@@ -136,7 +136,8 @@ def make_tf_dataset(
     Returns:
         The dataset; elements hold the schema's dtypes with shapes ``(batch, *shape)``. Its
         ``skipped`` (alias ``corrupt_shards``) lists the :class:`~growcache.batching.Skipped`
-        shards.
+        shards; its ``epochs`` (a :class:`~growcache.epoch.Epochs`) says what each epoch read:
+        ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``.
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.
@@ -172,6 +173,7 @@ def make_tf_dataset(
                          deterministic, world[1] > 1)
     ds = _ErrorMappingDataset(ds.prefetch(tf.data.AUTOTUNE), iterators)
     ds.skipped = ds.corrupt_shards = epochs.skipped
+    ds.epochs = epochs
     return ds
 
 

@@ -357,6 +357,8 @@ class Epochs:
         epoch: the epoch the next :meth:`start` reads.
         skipped: every :class:`~growcache.batching.Skipped` shard, oldest first.
         reader: the :class:`~growcache.readers.ReaderSpec` every reader of these epochs uses.
+        latest: the :class:`Epoch` the newest :meth:`start` began or joined; ``None`` before
+            the first. It stays set after the epoch ends (its ``shards`` say what it read).
     """
 
     def __init__(
@@ -386,6 +388,7 @@ class Epochs:
                                  shuffle_buffer=int(shuffle))
         self.epoch = 0
         self.skipped: list[Skipped] = []
+        self.latest: Epoch | None = None
         self._world = world
         self._all_gather = all_gather
         self._holder = holder
@@ -482,6 +485,7 @@ class Epochs:
                 joined = next((e for e in self._open.values() if e.number == number), None)
                 if joined is not None:
                     joined._readers += 1
+                    self.latest = joined
                     return joined
         options = self.options
         agreement = None
@@ -539,6 +543,7 @@ class Epochs:
             raise
         epoch = Epoch(self, next(self._tokens), shards, snapshot, plan, agreement)
         with self._lock:
+            self.latest = epoch
             self.epoch = shards.epoch + 1
             self._open[epoch.token] = epoch
             abandoned = list(self._open.values())[:-self._max_open] if len(self._open) > self._max_open else []
