@@ -126,6 +126,26 @@ def id_cache(tmp_path):
     return Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
 
 
+class LookCountingCache(Cache):
+    """A cache that counts the snapshots taken of it (an epoch's looks for shards), and publishes
+    a shard of 3 records (ids 0-2) just before look number ``publish_at``.
+
+    It shows waiting by events, not by the clock: an epoch that waits for a first shard looks
+    again and again, and reads the shard that appeared while it waited.
+    """
+
+    def __init__(self, path, publish_at: int | None = None) -> None:
+        super().__init__(path, capacity="1GB", schema=ID_SCHEMA)
+        self.looks = 0
+        self.publish_at = publish_at
+
+    def snapshot(self, **kwargs):
+        self.looks += 1
+        if self.looks == self.publish_at:
+            write_shards(self, [3])
+        return super().snapshot(**kwargs)
+
+
 def named_semaphores() -> set[str]:
     """The names in ``/dev/shm`` of the named POSIX semaphores this process has open.
 

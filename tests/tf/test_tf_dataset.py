@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ID_SCHEMA, id_sample, write_shards
+from conftest import ID_SCHEMA, LookCountingCache, id_sample, write_shards
 
 tf = pytest.importorskip("tensorflow")
 
@@ -281,18 +281,19 @@ def test_construction_errors_are_clear(tmp_path, id_cache):
 
 
 def test_empty_cache_waits_for_the_first_shard_then_gives_up(tmp_path):
-    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    # Counted, not timed: the epoch looks at the empty cache again and again, and reads the shard
+    # published while it waits (just before its third look).
+    cache = LookCountingCache(tmp_path / "c", publish_at=3)
     ds = make_tf_dataset(cache, 4, wait_for_shards=30, seed=0)
-    publisher = threading.Timer(0.5, write_shards, args=(cache, [3]))
-    publisher.start()
-    start = time.monotonic()
     assert sorted(flat(read_epoch(ds))) == [0, 1, 2]
-    assert time.monotonic() - start >= 0.4
-    publisher.join()
+    assert cache.looks >= 3
 
-    impatient = make_tf_dataset(Cache(tmp_path / "d", schema=ID_SCHEMA), 4, wait_for_shards=0.2)
-    with pytest.raises(EmptyCacheError, match="no shard after waiting 0.2 s"):  # growcache's class, not TF's
+    empty = LookCountingCache(tmp_path / "d")
+    impatient = make_tf_dataset(empty, 4, wait_for_shards=1.0)
+    before = empty.looks
+    with pytest.raises(EmptyCacheError, match="no shard after waiting 1 s"):  # growcache's class, not TF's
         read_epoch(impatient)
+    assert empty.looks - before >= 2, "the epoch gave up at its first look instead of waiting"
     # Where growcache cannot see the iterator (a derived dataset, Keras), TensorFlow's error names it.
     with pytest.raises(tf.errors.OpError, match="EmptyCacheError"):
         read_epoch(impatient.map(lambda b: b))

@@ -16,7 +16,7 @@ pytest.importorskip("tfrecord")
 
 import growcache  # noqa: E402
 from growcache import Cache, CorruptShardError, EmptyCacheError  # noqa: E402
-from conftest import ID_SCHEMA, id_sample, write_shards  # noqa: E402
+from conftest import ID_SCHEMA, LookCountingCache, id_sample, write_shards  # noqa: E402
 
 make_torch_loader = growcache.make_torch_loader
 
@@ -162,26 +162,31 @@ def test_corrupt_length_never_reaches_the_package_reader(id_cache):
 def test_dead_worker_is_an_error_not_a_hang(id_cache):
     write_shards(id_cache, [50] * 8)
     loader = make_torch_loader(id_cache, 1, num_workers=2, persistent_workers=True, prefetch_factor=1)
-    start = time.monotonic()
+    delivered, killed_at = 0, None
     with pytest.raises(RuntimeError, match="(?i)worker"):
-        for i, _ in enumerate(loader):
-            if i == 3:
+        for delivered, _ in enumerate(loader, 1):
+            if delivered == 4:
                 # this loader's own worker (other children, e.g. a resource tracker, may exist)
                 os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
-            time.sleep(0.01)
-    assert time.monotonic() - start < 60
+                killed_at = delivered
+    # Counted, not timed: the error comes in place of the dead worker's next batch, after at
+    # most the batches already in flight (prefetch_factor=1: one per worker), not at the epoch's
+    # end after the other worker's 200 batches (a hang shows as this test's timeout).
+    assert killed_at == 4 and delivered - killed_at <= 2, f"{delivered - killed_at} batches after the kill"
 
 
-def test_empty_cache_waits_then_raises(id_cache):
-    loader = make_torch_loader(id_cache, 2, num_workers=1, wait_for_shards=0.3)
-    start = time.monotonic()
-    with pytest.raises(EmptyCacheError, match="wait_for_shards"):
+def test_empty_cache_waits_then_raises(tmp_path):
+    # Counted, not timed: an epoch looks at the empty cache again until wait_for_shards runs out.
+    empty = LookCountingCache(tmp_path / "empty")
+    loader = make_torch_loader(empty, 2, num_workers=1, wait_for_shards=1.0)
+    before = empty.looks
+    with pytest.raises(EmptyCacheError, match="after waiting 1 s.*wait_for_shards"):
         iter(loader).__next__()
-    assert time.monotonic() - start >= 0.3
-    timer = threading.Timer(0.3, write_shards, args=(id_cache, [3]))
-    timer.start()
-    assert sorted(_epoch(make_torch_loader(id_cache, 2, num_workers=1, wait_for_shards=30))) == [0, 1, 2]
-    timer.join()
+    assert empty.looks - before >= 2, "the epoch gave up at its first look instead of waiting"
+    # A shard published while it waits (just before its third look) is what the epoch reads.
+    growing = LookCountingCache(tmp_path / "growing", publish_at=3)
+    assert sorted(_epoch(make_torch_loader(growing, 2, num_workers=1, wait_for_shards=30))) == [0, 1, 2]
+    assert growing.looks >= 3
 
 
 def test_shard_lists_reach_workers_as_arrays(id_cache, tmp_path, monkeypatch):
