@@ -25,8 +25,8 @@ no payload mismatched. A monitor thread checks the byte budget ten times a secon
 end: no temporary file, no lease, no child process and no shared-memory segment is left, and
 each process's memory stayed flat across epochs.
 
-``GROWCACHE_SOAK_SECONDS`` sets the length of the fault phase (default 25 s; the whole test
-takes about a minute on 2 cores).
+``GROWCACHE_SOAK_SECONDS`` sets the shortest length of the fault phase (default 10 s: the faults
+themselves take longer on 2 cores, and the whole test about a minute).
 """
 
 from __future__ import annotations
@@ -67,18 +67,21 @@ from growcache.example import ExampleCodec
 from growcache.records import crc32c, iter_records
 from growcache.sampler import SamplerPool
 from growcache.shard import TMP_PREFIX, ShardInfo
-from growcache.writer import temp_owner
+from growcache.writer import _STAGE_BYTES, temp_owner
 
-SECONDS = float(os.environ.get("GROWCACHE_SOAK_SECONDS", "25"))
+SECONDS = float(os.environ.get("GROWCACHE_SOAK_SECONDS", "10"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = 2
 READERS = 2
 RECORD = ExampleCodec(Schema(SCHEMA)).record_nbytes + 16
-SHARD = 60 * RECORD  # records beyond ~51 are flushed mid-shard: a kill can find bytes on disk
+# A shard holds a dozen records more than the writer's staging buffer, which it writes out when
+# full: every shard has bytes on disk before it is finished, so a kill can find some (fault 1).
+SHARD = (_STAGE_BYTES // RECORD + 12) * RECORD
 CAPACITY = 6 * SHARD
 FS_SIZE = 48 << 20
 RESERVE = 64 << 10  # what the full disk leaves free: less than a shard, room for leases
 RSS_SLACK = 24 << 20  # growth from mid-run to the end beyond this (or 10%) is a leak
+MEMORY_EPOCHS = 12  # epochs (or monitor seconds, for samplers) of a process to judge its memory by
 LEASE_GRACE_S = 10.0  # a released lease's shards go at the next publish or epoch start
 STARTUP_TIMEOUT_S = 150.0
 WAIT_S = 60.0
@@ -377,6 +380,7 @@ def shm_leaks(before: set[str], ours: set[str]) -> list[str]:
 def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
     for obj in range(OBJECTS):
         s3.put(object_name(obj), payload(obj).tobytes())
+    begun = time.monotonic()
     shm_before = set(os.listdir("/dev/shm"))
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     faults: list[str] = []
@@ -405,6 +409,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             wait_until("both readers' first epochs", lambda: all(r.epochs() for r in readers),
                        STARTUP_TIMEOUT_S, readers)
             started = time.monotonic()
+            notes.append(f"readers' first epochs after {started - begun:.0f}s")
 
             # 1. SIGKILL of a sampler in the middle of a shard, with bytes of it on disk.
             victim = pool.pids[0]
@@ -422,10 +427,13 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
                 notes.append("sampler killed before its first flush")
             os.kill(victim, signal.SIGKILL)
             wait_until("the killed sampler's restart", lambda: pool.stats().restarts >= 1 and not victim_temp())
-            faults.append("sampler SIGKILL")
+            faults.append(f"sampler SIGKILL (+{time.monotonic() - started:.0f}s)")
 
             # 6. The torch trainer's whole process group is SIGKILLed mid-epoch, and the trainer
-            # restarts under a new hostname; faults 2 and 3 go on while it starts.
+            # restarts under a new hostname; faults 2 and 3 go on while it starts. First it runs
+            # epochs enough to show its memory flat across them (checked at the end).
+            wait_until(f"{MEMORY_EPOCHS} epochs of the torch trainer",
+                       lambda: len(readers[0].epochs()) >= MEMORY_EPOCHS, WAIT_S, readers)
             dead = readers[0]
             dead_pids = [dead.proc.pid, *children(dead.proc.pid)]
             dead_shm = {n for n in shm_mappings(dead_pids) if n.startswith("growcache-")}
@@ -455,7 +463,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             wait_until("sampling after the S3 restart", lambda: pool.stats().records >= before + 2 * 60,
                        WAIT_S, readers)
             pool.raise_if_failed()
-            faults.append("S3 restart")
+            faults.append(f"S3 restart (+{time.monotonic() - started:.0f}s)")
 
             # 3. A published shard is corrupted: one that no epoch has leased yet and the next
             # snapshots will hold (within the newest capacity's worth). Under the cache's lock,
@@ -487,7 +495,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             wait_until("both readers past the corrupt shard",
                        lambda: all(any(bad in leased(e) or min(leased(e), default=-1) > bad
                                        for e in r.epochs()) for r in readers), WAIT_S, readers)
-            faults.append("corrupt shard")
+            faults.append(f"corrupt shard (+{time.monotonic() - started:.0f}s)")
 
             # 6, continued: the restarted trainer runs; the dead one pins nothing and its slabs are gone.
             def dead_trainer_gone() -> bool:
@@ -500,7 +508,8 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             wait_until("the restarted trainer's epochs", lambda: len(readers[0].epochs()) >= 2, STARTUP_TIMEOUT_S,
                        readers)
             wait_until("the killed trainer's slabs and leases removed", dead_trainer_gone, WAIT_S, readers)
-            faults.append("trainer process-group SIGKILL + restart under a new hostname")
+            faults.append(f"trainer process-group SIGKILL + restart under a new hostname "
+                          f"(+{time.monotonic() - started:.0f}s)")
 
             # 4. SIGKILL of a DataLoader worker: the training process gets an error, not a hang.
             open(os.path.join(readers[0].control, KILL_LOADER_WORKER), "w").close()
@@ -509,7 +518,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             killed = readers[0].events("loader_worker_killed")[0]
             assert "worker" in killed["error"].lower() and killed["seconds"] < 60, killed
             notes.append(f"loader_error_after={killed['seconds']:.2f}s")
-            faults.append("DataLoader worker SIGKILL")
+            faults.append(f"DataLoader worker SIGKILL (+{time.monotonic() - started:.0f}s)")
 
             # 5. A full disk: the pool fails cleanly, nothing published is harmed.
             if fs is None:
@@ -535,7 +544,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
                 assert {c.path for c in report.corrupt} <= {ledger.shards[s].path for s in corrupt}, report.corrupt
                 os.unlink(ballast)
                 pool = new_pool(seed=2)
-                faults.append("full disk")
+                faults.append(f"full disk (+{time.monotonic() - started:.0f}s)")
 
             remaining = started + SECONDS - time.monotonic()
             time.sleep(max(remaining, 0.0))
@@ -543,6 +552,7 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             epochs_now = {r.name: len(r.epochs()) for r in readers}
             wait_until("an epoch of each reader after the faults",
                        lambda: all(len(r.epochs()) > epochs_now[r.name] for r in readers), WAIT_S, readers)
+            notes.append(f"an epoch of each reader on new shards after the faults (+{time.monotonic() - started:.0f}s)")
         finally:
             for reader in readers:
                 open(os.path.join(reader.control, STOP), "w").close()
@@ -610,8 +620,9 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
                 for pid, value in epoch["rss"].items():
                     if value:
                         series.setdefault(f"{reader.name} {pid}", []).append(value)
-        growth = {name: memory_growth(values) for name, values in series.items() if len(values) >= 8}
+        growth = {name: memory_growth(values) for name, values in series.items() if len(values) >= MEMORY_EPOCHS}
         assert len(growth) >= 4, f"too few processes measured over enough epochs: {sorted(series)}"
+        assert {name.split()[0] for name in growth} >= {"sampler", "torch", "tf"}, sorted(growth)
         grown = {name: f"{a / 2**20:.0f} MiB -> {b / 2**20:.0f} MiB" for name, (a, b) in growth.items()
                  if b - a > max(RSS_SLACK, 0.1 * a)}
         assert grown == {}, grown
