@@ -1,5 +1,6 @@
 """Two gloo ranks train a tiny DDP model for 2 epochs on one cache: no hang, disjoint records,
-equal batch counts (uneven shards force the top up)."""
+equal batch counts (uneven shards force the top up). Each launch of ranks checks both
+``drop_last`` settings, one loader after the other, so that the ranks start (and import torch) once."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loader) -> None:
-    """Train a tiny DDP model for 2 epochs on ``make_loader()``; write each epoch's ids and batch count."""
+def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loaders: dict) -> None:
+    """Train a tiny DDP model for 2 epochs on each ``make_loaders[name]()`` in turn, in one process
+    group (one launch checks every variant); write each variant's epochs: ids and batch count."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -30,51 +32,58 @@ def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loader) -> N
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = make_loader()
-    epochs = []
-    for _ in range(2):
-        ids, batches = [], 0
-        for batch in loader:
-            loss = model(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()  # an all-reduce: a rank with fewer batches would hang the others
-            opt.step()
-            ids += batch["id"].tolist()
-            batches += 1
-        epochs.append({"ids": ids, "batches": batches})
+    results = {}
+    for name, make_loader in make_loaders.items():
+        loader = make_loader()
+        epochs = []
+        for _ in range(2):
+            ids, batches = [], 0
+            for batch in loader:
+                loss = model(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()  # an all-reduce: a rank with fewer batches would hang the others
+                opt.step()
+                ids += batch["id"].tolist()
+                batches += 1
+            epochs.append({"ids": ids, "batches": batches})
+        results[name] = epochs
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(epochs, f)
+        json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str, drop_last: bool) -> None:
+def _drop_last_variants(cache_dir: str, **options) -> dict:
     import functools
 
     import growcache
 
-    _train_ddp(rank, world, port, out_dir, functools.partial(
-        growcache.make_torch_loader, cache_dir, 4, num_workers=1, seed=5, drop_last=drop_last))
+    return {str(drop_last): functools.partial(growcache.make_torch_loader, cache_dir, 4, num_workers=1, seed=5,
+                                              drop_last=drop_last, **options) for drop_last in (False, True)}
+
+
+def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
+    _train_ddp(rank, world, port, out_dir, _drop_last_variants(cache_dir))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path, drop_last):
+def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path):
     import torch.multiprocessing as mp
 
     written = write_shards(id_cache, [7, 5, 9, 3, 11, 2])
-    mp.spawn(_rank, args=(2, id_cache.path, _free_port(), str(tmp_path), drop_last), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, id_cache.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for epoch in range(2):
-        a, b = (results[r][epoch] for r in range(2))
-        assert a["batches"] == b["batches"] > 0
-        assert not set(a["ids"]) & set(b["ids"]), "ranks overlap"
-        seen = set(a["ids"]) | set(b["ids"])
-        if drop_last:
-            assert len(a["ids"]) + len(b["ids"]) == len(seen)  # nothing read twice
-            assert seen < set(written)
-        else:
-            assert seen == set(written)  # every record read; only top-up records repeat within a rank
+    for drop_last in (False, True):
+        for epoch in range(2):
+            a, b = (results[r][str(drop_last)][epoch] for r in range(2))
+            assert a["batches"] == b["batches"] > 0, (drop_last, epoch)
+            assert not set(a["ids"]) & set(b["ids"]), f"ranks overlap (drop_last={drop_last})"
+            seen = set(a["ids"]) | set(b["ids"])
+            if drop_last:
+                assert len(a["ids"]) + len(b["ids"]) == len(seen)  # nothing read twice
+                assert seen < set(written)
+            else:
+                assert seen == set(written)  # every record read; only top-up records repeat within a rank
 
 
 def _rank_on_its_own_cache(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
@@ -115,20 +124,13 @@ def test_ranks_on_different_caches_with_split_shared_all_raise_instead_of_readin
     assert "gone from cache" in outcomes[1] and "split='node'" in outcomes[1]
 
 
-def _rank_on_a_node(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str, drop_last: bool) -> None:
-    import functools
-
-    import growcache
-
+def _rank_on_a_node(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
     # Ranks 0-1 form one "node" with its own cache, ranks 2-3 another.
-    _train_ddp(rank, world, port, out_dir, functools.partial(
-        growcache.make_torch_loader, cache_dirs[rank // 2], 4, num_workers=1, seed=5, drop_last=drop_last,
-        split="node"))
+    _train_ddp(rank, world, port, out_dir, _drop_last_variants(cache_dirs[rank // 2], split="node"))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_node_local_caches_split_per_node_with_equal_batches_everywhere(tmp_path, drop_last):
+def test_node_local_caches_split_per_node_with_equal_batches_everywhere(tmp_path):
     import torch.multiprocessing as mp
 
     from growcache import Cache
@@ -137,18 +139,19 @@ def test_node_local_caches_split_per_node_with_equal_batches_everywhere(tmp_path
     written_a = write_shards(node_a, [7, 5, 9])
     node_b = Cache(tmp_path / "node-b", capacity="1GB", schema=ID_SCHEMA)
     written_b = write_shards(node_b, [3, 11, 2, 8, 6], first_id=1000)
-    mp.spawn(_rank_on_a_node, args=(4, [node_a.path, node_b.path], _free_port(), str(tmp_path), drop_last),
-             nprocs=4, join=True)
+    mp.spawn(_rank_on_a_node, args=(4, [node_a.path, node_b.path], _free_port(), str(tmp_path)), nprocs=4, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    for epoch in range(2):
-        runs = [results[r][epoch] for r in range(4)]
-        assert len({run["batches"] for run in runs}) == 1 and runs[0]["batches"] > 0, [r["batches"] for r in runs]
-        for first, written in ((0, written_a), (2, written_b)):
-            a, b = runs[first], runs[first + 1]
-            assert not set(a["ids"]) & set(b["ids"]), "ranks of one node overlap"
-            seen = set(a["ids"]) | set(b["ids"])
-            assert seen <= set(written)
-            if drop_last:
-                assert len(a["ids"]) + len(b["ids"]) == len(seen)
-            else:
-                assert seen == set(written)  # the node's whole cache; only top-up records repeat
+    for drop_last in (False, True):
+        for epoch in range(2):
+            runs = [results[r][str(drop_last)][epoch] for r in range(4)]
+            assert len({run["batches"] for run in runs}) == 1 and runs[0]["batches"] > 0, (
+                drop_last, [r["batches"] for r in runs])
+            for first, written in ((0, written_a), (2, written_b)):
+                a, b = runs[first], runs[first + 1]
+                assert not set(a["ids"]) & set(b["ids"]), f"ranks of one node overlap (drop_last={drop_last})"
+                seen = set(a["ids"]) | set(b["ids"])
+                assert seen <= set(written)
+                if drop_last:
+                    assert len(a["ids"]) + len(b["ids"]) == len(seen)
+                else:
+                    assert seen == set(written)  # the node's whole cache; only top-up records repeat
