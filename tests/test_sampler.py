@@ -521,6 +521,9 @@ def test_a_silent_store_shows_in_last_error_and_fails_the_pool(tmp_path):
             pool.stop(raise_on_failure=False)
 
 
+# The stuck read would last its 120 s stall_timeout: a stop() that waited for it fails this
+# test by its timeout, with no wall-time assertion.
+@pytest.mark.timeout(60)
 def test_stop_returns_soon_when_a_worker_is_stuck_in_a_silent_read(tmp_path):
     cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)
     patient = RetryPolicy(stall_timeout=120, deadline=300)  # the read would hang for 2 minutes
@@ -531,10 +534,7 @@ def test_stop_returns_soon_when_a_worker_is_stuck_in_a_silent_read(tmp_path):
             _wait(lambda: silent.connections >= 2 and len(pool.pids) == 2)
             pids = pool.pids
             time.sleep(0.3)
-            start = time.monotonic()
             final = pool.stop()
-            took = time.monotonic() - start
         finally:
             pool.stop(raise_on_failure=False)
-    assert took < 10, f"stop() took {took:.1f} s"
     assert all(gone(pid) for pid in pids) and not final.failed and temporaries(cache) == []
