@@ -516,8 +516,11 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
             wait_until("the torch reader's error for its killed worker",
                        lambda: readers[0].events("loader_worker_killed"), 120.0, readers)
             killed = readers[0].events("loader_worker_killed")[0]
-            assert "worker" in killed["error"].lower() and killed["seconds"] < 60, killed
-            notes.append(f"loader_error_after={killed['seconds']:.2f}s")
+            # Counted, not timed: the error comes in place of the dead worker's next batch, after at
+            # most the batches in flight (each worker's prefetch) of an epoch of dozens of batches.
+            assert "worker" in killed["error"].lower() and killed["batches_after_kill"] <= killed["in_flight"] * 2, \
+                killed
+            notes.append(f"loader_error_after={killed['seconds']:.2f}s and {killed['batches_after_kill']} batches")
             faults.append(f"DataLoader worker SIGKILL (+{time.monotonic() - started:.0f}s)")
 
             # 5. A full disk: the pool fails cleanly, nothing published is harmed.

@@ -19,6 +19,7 @@ from growcache import CacheFullError, make_torch_loader
 from soak_common import KILL_LOADER_WORKER, Abandon, RecordingCache, Reader
 
 BATCH = 8
+WORKERS, PREFETCH = 2, 2  # DataLoader workers, and batches each has in flight (prefetch_factor)
 
 
 def main(cache_path: str, control: str, out: str) -> None:
@@ -29,20 +30,24 @@ def main(cache_path: str, control: str, out: str) -> None:
 
     def loader():
         if state["loader"] is None:
-            state["loader"] = make_torch_loader(cache, BATCH, num_workers=2, on_corrupt="skip", wait_for_shards=120,
-                                                multiprocessing_context="spawn")
+            state["loader"] = make_torch_loader(cache, BATCH, num_workers=WORKERS, prefetch_factor=PREFETCH,
+                                                on_corrupt="skip", wait_for_shards=120, multiprocessing_context="spawn")
             state["skips"] = 0
         return state["loader"]
 
     def epoch():
+        after_kill = 0  # batches delivered after the kill: the error must come within those in flight
         try:
             for batch in loader():
+                if state["killed"] is not None:
+                    after_kill += 1
                 yield {k: v.numpy() for k, v in batch.items()}
         except RuntimeError as exc:
             if state["killed"] is None:
                 raise
             pid, killed_at = state["killed"]
             reader.emit(event="loader_worker_killed", pid=pid, error=f"{type(exc).__name__}: {exc}",
+                        batches_after_kill=after_kill, in_flight=PREFETCH * WORKERS,
                         seconds=time.monotonic() - killed_at)
             state.update(loader=None, killed=None)
             gc.collect()
