@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 
 import numpy as np
@@ -19,6 +20,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import _fullfs  # noqa: E402
 from growcache import Cache, Schema  # noqa: E402
+
+# A shell that starts a command in the background (`make test &`, nohup, a CI step without job
+# control) starts it with SIGINT ignored, and every child inherits that: the tests that press
+# Ctrl-C on `growcache sample` would then wait for an exit that never comes.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _TEST_EXTRA = "pip install -e '.[test]' (the [test] extra)"
 _CPU_TORCH = ("pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU wheel, as `make test` "
