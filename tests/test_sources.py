@@ -284,14 +284,16 @@ def test_refused_s3_fails_within_the_default_deadline_with_one_error(s3_server, 
     assert PLANTED not in str(info.value)
 
     # Counted, not timed: an endpoint that takes each connection and resets it at once shows how
-    # many connections each of growcache's tries made. One: the store client retries nothing itself.
+    # many connections each of growcache's tries made: one, or two when the reset lands after the
+    # request was written and the HTTP client sends it once more on a fresh connection (6 for
+    # 3 tries in one full-suite run). With the store client's own retries on, it was 18.
     with _ResettingServer() as resetting:
         options["client_kwargs"] = {"endpoint_url": resetting.endpoint}
         source = NpyWindowSource("s3://growcache-test/x.npy", 2, storage_options=options,
                                  retry=RetryPolicy(attempts=3, initial_delay=0.01, max_delay=0.02))
         with pytest.raises(TransientSourceError, match="after 3 attempts"):
             source(np.random.default_rng(0))
-    assert source.requests == 3 and resetting.connections == 3, (source.requests, resetting.connections)
+    assert source.requests == 3 and 3 <= resetting.connections <= 2 * 3, (source.requests, resetting.connections)
 
 
 class _ResettingServer:
