@@ -8,9 +8,11 @@ a message naming what to install; under ``CI=true`` so does a missing TensorFlow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -165,3 +167,21 @@ def named_semaphores() -> set[str]:
         fields = (line.split() for line in maps)
         inodes = {int(f[4]) for f in fields if len(f) >= 6 and f[5].startswith("/dev/shm/sem.")}
     return {entry.name for entry in os.scandir("/dev/shm") if entry.name.startswith("sem.") and entry.inode() in inodes}
+
+
+@contextlib.contextmanager
+def ctrl_c_on_exit_or_kill(proc: subprocess.Popen):
+    """Around a ``growcache`` command started with ``start_new_session=True``: the block presses
+    Ctrl-C through the yielded function (SIGINT to the whole process group, as a terminal does,
+    then the command's ``(stdout, stderr)``); whatever the block leaves running is SIGKILLed."""
+
+    def ctrl_c(timeout: float = 120) -> tuple[str, str]:
+        os.killpg(proc.pid, signal.SIGINT)
+        return proc.communicate(timeout=timeout)
+
+    try:
+        yield ctrl_c
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+from conftest import ctrl_c_on_exit_or_kill
 
 from growcache import Cache
 from growcache.example import ExampleCodec
@@ -63,18 +63,13 @@ def test_ctrl_c_publishes_the_shards_in_progress_and_exits_0(tmp_path):
          "--window", "4", "--shard-size", "256MB", "--max-shard-age", "3600", "-q"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    try:
+    with ctrl_c_on_exit_or_kill(proc) as ctrl_c:
         # Each worker has flushed records of its shard in progress to its temporary file.
         _wait_for("both samplers' shards in progress on disk",
                   lambda: sum(1 for size in _temporaries(cache_dir).values() if size > 0) >= WORKERS, proc)
         assert Cache(cache_dir).list_shards() == [], "nothing published before the Ctrl-C"
         # A terminal's Ctrl-C goes to the whole foreground process group, samplers included.
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        out, err = ctrl_c()
     assert proc.returncode == 0, f"exit code {proc.returncode} after Ctrl-C:\n{out}\n{err}"
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 

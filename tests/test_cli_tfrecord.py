@@ -7,12 +7,12 @@ Ctrl-C as a terminal sends it; the Python API's TFRecordShardSource is what it r
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+from conftest import ctrl_c_on_exit_or_kill
 from stores import s3, s3_server  # noqa: F401
 from tfrecords import compress, framed, labelled
 
@@ -41,7 +41,7 @@ def _sample_until_every_shard_is_held(url: str, cache_dir: str, *flags: str) -> 
     """Run ``growcache sample --tfrecord`` until the cache holds every remote shard, then Ctrl-C it."""
     proc = subprocess.Popen([_exe(), "sample", "--tfrecord", url, cache_dir, "--workers", "2", "-q", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with ctrl_c_on_exit_or_kill(proc) as ctrl_c:
         deadline = time.monotonic() + 120
         while not any(p.held == SHARDS for p in (pass_progress(Cache(cache_dir)) if os.path.isdir(
                 os.path.join(cache_dir, "shards")) else [])):
@@ -50,12 +50,7 @@ def _sample_until_every_shard_is_held(url: str, cache_dir: str, *flags: str) -> 
                 raise AssertionError(f"growcache sample exited ({proc.returncode}) early:\n{out}\n{err}")
             assert time.monotonic() < deadline, "the cache never held every remote shard"
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the samplers too
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        out, err = ctrl_c()  # a terminal's Ctrl-C reaches the samplers too
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out}\n{err}"
     return out, err
 
@@ -147,18 +142,13 @@ def test_ctrl_c_while_the_samplers_start_prints_no_traceback(tmp_path):
     proc = subprocess.Popen([_exe(), "sample", "--tfrecord", f"file://{remote}/train-*", str(tmp_path / "cache"),
                              "--workers", "2", "-q"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with ctrl_c_on_exit_or_kill(proc) as ctrl_c:
         lines = []
         for line in proc.stderr:  # the pool logs this once it has started its workers' processes
             lines.append(line)
             if "sampler pool started" in line:
                 break
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        out, err = ctrl_c()
     err = "".join(lines) + err
     assert proc.returncode == 0, err
     assert "sampler pool started" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err

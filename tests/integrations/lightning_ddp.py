@@ -22,7 +22,9 @@ from conftest import write_shards  # noqa: E402
 
 
 class Data(L.LightningDataModule):
-    """docs/pytorch.md's recipe: a resumed run's first epoch reads the trainer's epoch."""
+    """docs/pytorch.md's recipe: ``train_dataloader()`` sets the trainer's epoch, so that a resumed
+    run's first epoch reads its own order (Lightning announces every later epoch itself, through
+    the loader's sampler). test_lightning.py uses it too."""
 
     def __init__(self, loader) -> None:
         super().__init__()

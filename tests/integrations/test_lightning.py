@@ -19,6 +19,7 @@ L = pytest.importorskip("lightning")
 
 import growcache  # noqa: E402
 from conftest import write_shards  # noqa: E402
+from lightning_ddp import Data  # noqa: E402 - the DDP script's DataModule: the docs' recipe, once
 
 SHARD = 8  # records per shard; every epoch end publishes one more
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,20 +60,6 @@ class Recorder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class Data(L.LightningDataModule):
-    """The docs' recipe: ``train_dataloader()`` sets the trainer's epoch, so that a resumed run's
-    first epoch reads its own order (Lightning announces every later epoch itself, through the
-    loader's sampler)."""
-
-    def __init__(self, loader) -> None:
-        super().__init__()
-        self.loader = loader
-
-    def train_dataloader(self):
-        self.loader.set_epoch(self.trainer.current_epoch)
-        return self.loader
 
 
 def _trainer(tmp_path, epochs: int, **kwargs) -> L.Trainer:
