@@ -23,6 +23,7 @@ def main(cache: str, out: str, rank: int, world: int) -> None:
     ds = growcache.make_tf_dataset(cache, growth.BATCH, input_context=ctx, shuffle_buffer=0)
     recorder = growth.Recorder(cache)
     for epoch in range(growth.EPOCHS):
+        recorder.wait_for_growth()
         recorder.epoch(batch["id"].numpy() for batch in ds)
         growth.barrier(out, f"epoch-{epoch}", rank, world)
     recorder.save(os.path.join(out, f"rank{rank}.json"))

@@ -56,6 +56,7 @@ def test_two_pipelines_of_one_process_agree_on_every_epoch_of_a_growing_cache(tm
         def pipeline(rank):
             try:
                 for epoch in range(growth.EPOCHS):
+                    recorders[rank].wait_for_growth()
                     recorders[rank].epoch(batch["id"].numpy() for batch in datasets[rank])
                     growth.barrier(str(tmp_path), f"epoch-{epoch}", rank, 2)
             except BaseException as exc:  # noqa: BLE001 - re-raised below

@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, port: int, cache_dirs: list[str], out: str, spl
             yield batch["id"].numpy()
 
     for _ in range(epochs):
+        recorder.wait_for_growth()
         recorder.epoch(batches())
     recorder.save(os.path.join(out, f"rank{rank}.json"))
     dist.barrier()
