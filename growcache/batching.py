@@ -161,12 +161,37 @@ class BatchReader:
         self.records_read = 0
         self.records_skipped = 0
 
-    def _shard_order(self, share: ReaderShare) -> Iterator[int]:
+    def _shard_order(self, share: ReaderShare, corrupt: set[int]) -> Iterator[int]:
+        """The share's shards, then (with a quota) its cycle until the quota stops the caller.
+
+        Shards found ``corrupt`` (the caller adds them) are not read again. If every shard of
+        the cycle is corrupt, the quota is still a promise of batches to DDP: the reader goes
+        on through the whole snapshot, repeating other ranks' records rather than hanging them.
+        """
         yield from (int(i) for i in share.shards)
-        if share.quota < 0 or share.cycle.size == 0 or share.records[share.cycle].sum() == 0:
+        if share.quota < 0:
             return
+        cycle = [int(i) for i in share.cycle if share.records[i]]
+        whole_snapshot = False
         while True:  # a top up cycles until the quota stops it
-            yield from (int(i) for i in share.cycle)
+            cycle = [i for i in cycle if i not in corrupt]
+            if not cycle and not whole_snapshot:
+                whole_snapshot = True
+                cycle = [i for i in range(share.records.size) if share.records[i] and i not in corrupt]
+            if not cycle:
+                return
+            yield from cycle
+
+    def _skip(self, exc: CorruptShardError, share: ReaderShare, index: int, got: int, corrupt: set[int]) -> Skipped:
+        """Handle ``on_corrupt`` for shard ``index`` after ``got`` of its records: raise, or
+        note it as never to be read again by this share and return its :class:`Skipped`."""
+        if self.on_corrupt == "raise":
+            raise exc
+        corrupt.add(index)
+        lost = max(int(share.records[index]) - got, 0)
+        self.records_skipped += lost
+        logger.warning("skipping the rest of corrupt shard %s from byte %d: %s", exc.path, exc.offset, exc.reason)
+        return Skipped(exc.path, exc.offset, exc.reason, lost)
 
     def batches(
         self, share: ReaderShare, allocate: Allocate, release: Callable[[object], None] | None = None
@@ -185,7 +210,7 @@ class BatchReader:
         put = self.decoder.put
         quota = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         remaining = quota
-        passes_without_records = 0
+        corrupt: set[int] = set()
         # The shuffle scatters each window's records over the rows of its whole batches at
         # random: every record is still copied once, straight into its batch.
         window_batches = self.window_batches
@@ -228,7 +253,7 @@ class BatchReader:
                     release(entry[0])  # allocated, then emptied by the compaction or drop_last
             window.clear()
 
-        for index in self._shard_order(share):
+        for index in self._shard_order(share, corrupt):
             if remaining <= 0:
                 break
             path = os.fsdecode(share.paths[index])
@@ -249,16 +274,7 @@ class BatchReader:
                     if remaining <= 0:
                         break
             except CorruptShardError as exc:
-                if self.on_corrupt == "raise":
-                    raise
-                lost = max(int(share.records[index]) - got, 0)
-                self.records_skipped += lost
-                logger.warning("skipping the rest of corrupt shard %s from byte %d: %s", path, exc.offset, exc.reason)
-                yield Skipped(exc.path, exc.offset, exc.reason, lost)
+                yield self._skip(exc, share, index, got, corrupt)
             self.records_read += got
-            # A top up over shards that all turn out corrupt must end, not spin.
-            passes_without_records = 0 if got else passes_without_records + 1
-            if passes_without_records > len(share.shards) + len(share.cycle):
-                break
         if window:
             yield from close_window(placed)

@@ -28,7 +28,9 @@ The plan:
      with the fewest; the rest of the other ranks' records are not read this epoch
      (the newest shards come back in later epochs, in another order).
 
-   With one rank, or ``even_batches=False``, every reader yields all its records.
+   A reader that skips a corrupt shard (``on_corrupt="skip"``) makes up its quota from the
+   other shards of its rank, never reading the corrupt one again, so that the batch counts
+   stay equal. With one rank, or ``even_batches=False``, every reader yields all its records.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ class EpochPlan:
             ``np.int64`` arrays (they cross into worker processes as arrays).
         quotas: per reader, records it yields. Below its shards' total it stops early
             (drop); above, it cycles through its shards again (top up).
-        cycle: per reader, shard indices to cycle through for a top up (its own shards,
-            or all shards when it has none).
+        cycle: per reader, shard indices to cycle through for a top up or to make up for a
+            skipped corrupt shard: its own shards, then the other shards of its rank, so that
+            a reader whose only shard is corrupt still yields its quota from its rank's records
+            (all shards, in epoch order, when its rank has none).
     """
 
     epoch: int
@@ -200,7 +204,7 @@ def _even_out(
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Quotas that give every rank the same batch count (see the module docstring)."""
     quotas = load.copy()
-    cycle = list(shards)
+    cycle = _rank_cycles(shards, world_size, workers, order, records)
     per_rank = [
         sum(_batches(int(load[r * workers + w]), batch_size, drop_last) for w in range(workers))
         for r in range(world_size)
@@ -227,12 +231,6 @@ def _even_out(
         raise ValueError(f"target_batches={target} is less than a rank yields ({max(per_rank)}) without drop_last")
     for rank in range(world_size):
         readers = list(range(rank * workers, (rank + 1) * workers))
-        rank_shards = np.concatenate([shards[i] for i in readers]) if readers else np.empty(0, np.int64)
-        for i in readers:
-            if records[shards[i]].sum() == 0:
-                # A reader without shards tops up from its rank's shards, or from the whole
-                # snapshot (in epoch order) if the rank has none.
-                cycle[i] = rank_shards if records[rank_shards].sum() else order.astype(np.int64)
         missing = target - per_rank[rank]
         k = 0
         while missing > 0:
@@ -243,3 +241,19 @@ def _even_out(
             missing -= 1
             k += 1
     return quotas, cycle
+
+
+def _rank_cycles(shards: list[np.ndarray], world_size: int, workers: int, order: np.ndarray,
+                 records: np.ndarray) -> list[np.ndarray]:
+    """Per reader: its own shards, then the rest of its rank's (the whole snapshot in epoch
+    order if its rank has no records). A quota is a promise of batches to DDP: a reader whose
+    own shards turn out corrupt under ``on_corrupt="skip"`` keeps it from its rank's others,
+    where cycling its own would leave its rank short and the other ranks hung in an all-reduce."""
+    cycles = []
+    for rank in range(world_size):
+        readers = range(rank * workers, (rank + 1) * workers)
+        for i in readers:
+            mine = [shards[i]] + [shards[j] for j in readers if j != i]
+            cycle = np.concatenate(mine).astype(np.int64)
+            cycles.append(cycle if records[cycle].sum() else order.astype(np.int64))
+    return cycles

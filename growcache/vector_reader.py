@@ -36,7 +36,6 @@ exactly that reader's:
 from __future__ import annotations
 
 import functools
-import logging
 import mmap
 import os
 import stat
@@ -53,7 +52,6 @@ from .shard import ShardInfo
 
 __all__ = ["VectorReader"]
 
-logger = logging.getLogger(__name__)
 
 # Frames checked and placed per step: the CRC pass leaves a piece in the CPU cache for the
 # copy that follows it, so the page cache is read from memory once.
@@ -498,8 +496,8 @@ class VectorReader(BatchReader):
         window = _Window(self, decoder, allocate, release, rng)
         buffer = _Shard.buffer(self._fixed)
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
-        passes_without_records = 0
-        for index in self._shard_order(share):
+        corrupt: set[int] = set()
+        for index in self._shard_order(share, corrupt):
             if remaining <= 0:
                 break
             path = os.fsdecode(share.paths[index])
@@ -512,17 +510,8 @@ class VectorReader(BatchReader):
                     else:
                         yield item
             except CorruptShardError as exc:
-                if self.on_corrupt == "raise":
-                    raise
-                lost = max(int(share.records[index]) - got, 0)
-                self.records_skipped += lost
-                logger.warning("skipping the rest of corrupt shard %s from byte %d: %s", path, exc.offset, exc.reason)
-                yield Skipped(exc.path, exc.offset, exc.reason, lost)
+                yield self._skip(exc, share, index, got, corrupt)
             self.records_read += got
-            # A top up over shards that all turn out corrupt must end, not spin.
-            passes_without_records = 0 if got else passes_without_records + 1
-            if passes_without_records > len(share.shards) + len(share.cycle):
-                break
         if window.entries:
             yield from window.close()
 

@@ -1,4 +1,8 @@
-"""Epoch planning: exactly once, balanced, deterministic, and even batch counts across ranks."""
+"""Epoch planning: exactly once, balanced, deterministic, and even batch counts across ranks.
+
+The batch-count promises are checked on what the real readers (``BatchReader`` and
+``VectorReader``) deliver when they read the plan's shares of real shards, not on a model.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,48 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import ID_SCHEMA, id_sample, write_shards
+from growcache.batching import BatchReader, ReaderShare, Skipped
 from growcache.planning import plan_epoch, reader_seed
+from growcache.vector_reader import VectorReader
+
+READERS = [BatchReader, VectorReader]
 
 
-def _rank_records(plan, records, rank):
-    """Record (shard, index) pairs rank reads: its shards, then a top-up cycle, cut at the quota."""
-    out = []
-    for w in range(plan.workers):
-        r = plan.reader(rank, w)
-        order = list(plan.shards[r])
-        quota = int(plan.quotas[r])
-        cyc = list(plan.cycle[r])
-        mine = [(s, i) for s in order for i in range(records[s])]
-        k = 0
-        while len(mine) < quota:
-            s = cyc[k % len(cyc)]
-            mine += [(s, i) for i in range(records[s])]
-            k += 1
-        out += mine[:quota]
-    return out
+def _read_rank(cache, plan, rank, reader_class, on_corrupt="raise") -> tuple[list[int], int, list[str]]:
+    """Read ``rank``'s shares of ``plan`` over ``cache``'s shards with real readers, as its
+    workers would: ``(record ids delivered, batches, paths noted as skipped)``. Every delivered
+    record's payload is checked against its id."""
+    shards = cache.list_shards()
+    paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
+    records = np.array([s.records for s in shards], dtype=np.int64)
+    ids, batches, skipped = [], 0, []
+
+    def allocate(rows):
+        return None, {n: np.empty((rows, *f.shape), f.dtype) for n, f in ID_SCHEMA.items()}
+
+    for worker in range(plan.workers):
+        index = plan.reader(rank, worker)
+        share = ReaderShare(paths, records, plan.shards[index], quota=int(plan.quotas[index]),
+                            cycle=plan.cycle[index], shuffle_seed=index)
+        reader = reader_class(ID_SCHEMA, plan.batch_size, drop_last=plan.drop_last, on_corrupt=on_corrupt)
+        for item in reader.batches(share, allocate):
+            if isinstance(item, Skipped):
+                skipped.append(item.path)
+                continue
+            _, arrays, rows = item
+            assert 0 < rows <= plan.batch_size and (rows == plan.batch_size or not plan.drop_last)
+            batches += 1
+            for record_id, x in zip(arrays["id"][:rows], arrays["x"][:rows]):
+                assert np.array_equal(x, id_sample(int(record_id))["x"])
+                ids.append(int(record_id))
+    return ids, batches, skipped
+
+
+def _shard_ids(records) -> list[set[int]]:
+    """The ids ``write_shards`` gives each shard."""
+    ends = np.cumsum(records)
+    return [set(range(int(end) - int(n), int(end))) for n, end in zip(records, ends)]
 
 
 @pytest.mark.parametrize("world,workers", [(1, 0), (1, 1), (1, 4), (2, 2), (3, 1), (4, 3)])
@@ -62,36 +89,88 @@ def test_shuffled_per_seed_and_epoch_and_same_on_every_rank():
     assert all([s.tolist() for s in p.shards] == [s.tolist() for s in ranks[0].shards] for p in ranks)
 
 
+@pytest.mark.parametrize("reader_class", READERS)
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("records", [[7, 3, 12, 1, 9], [100, 1, 1], [5], [4, 4, 4, 4, 4, 4, 4], [1, 2, 3, 40, 50, 7, 9, 11]])
 @pytest.mark.parametrize("world,workers,batch", [(2, 1, 4), (2, 2, 3), (3, 2, 5), (4, 0, 2)])
-def test_even_batches_across_ranks(records, world, workers, batch, drop_last):
-    records = np.asarray(records)
+def test_even_batches_across_ranks(id_cache, records, world, workers, batch, drop_last, reader_class):
+    write_shards(id_cache, records)
     plan = plan_epoch(records, epoch=0, seed=0, world_size=world, num_workers=workers,
                       batch_size=batch, drop_last=drop_last, even_batches=True)
     counts = {plan.rank_batches(r) for r in range(world)}
     assert len(counts) == 1, counts
-    seen = [_rank_records(plan, records, r) for r in range(world)]
-    everything = {(s, i) for s in range(len(records)) for i in range(records[s])}
+    seen = [_read_rank(id_cache, plan, r, reader_class) for r in range(world)]
+    assert [batches for _, batches, _ in seen] == [plan.rank_batches(r) for r in range(world)]
+    ids = [rank_ids for rank_ids, _, _ in seen]
     if drop_last:
-        # drop: nothing repeats anywhere, and every rank yields only full batches
-        flat = [x for rank in seen for x in rank]
+        # drop: nothing repeats anywhere, and every rank yields only full batches (checked in _read_rank)
+        flat = [x for rank_ids in ids for x in rank_ids]
         assert len(flat) == len(set(flat))
-        assert all(plan.quotas[r] % batch == 0 for r in range(len(plan.quotas)))
     else:
         # top up: every record is read; ranks that own shards stay disjoint
-        assert set().union(*map(set, seen)) == everything
-        owners = [set(rank) for rank, r in zip(seen, range(world)) if any(
+        assert set().union(*map(set, ids)) == set(range(sum(records)))
+        owners = [set(rank_ids) for rank_ids, r in zip(ids, range(world)) if any(
             plan.shards[plan.reader(r, w)].size for w in range(plan.workers))]
         for i in range(len(owners)):
             for j in range(i + 1, len(owners)):
                 assert not owners[i] & owners[j]
 
 
-def test_one_rank_reads_everything_once():
+@pytest.mark.parametrize("reader_class", READERS)
+def test_one_rank_reads_everything_once(id_cache, reader_class):
     records = [3, 8, 1, 6]
+    write_shards(id_cache, records)
     plan = plan_epoch(records, epoch=0, seed=0, world_size=1, num_workers=3, batch_size=4, even_batches=True)
-    assert sorted(_rank_records(plan, records, 0)) == sorted((s, i) for s in range(4) for i in range(records[s]))
+    ids, _, _ = _read_rank(id_cache, plan, 0, reader_class)
+    assert sorted(ids) == list(range(sum(records)))
+
+
+def _corrupt_record(path: str, records: int, number: int) -> None:
+    """Flip a payload byte of record ``number``, so that its CRC fails."""
+    frame = os.path.getsize(path) // records
+    with open(path, "r+b") as f:
+        f.seek(number * frame + frame // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("bad_record", [0, 3])
+def test_a_reader_whose_only_shard_is_corrupt_keeps_its_ranks_batch_count(id_cache, reader_class, drop_last,
+                                                                         bad_record):
+    # 2 ranks x 2 workers, one shard each. Under "skip", the reader of the corrupt shard makes
+    # up its quota from its rank's other shard: a short rank would hang the others in DDP.
+    records = [6, 6, 6, 6]
+    write_shards(id_cache, records)
+    plan = plan_epoch(records, epoch=0, seed=0, world_size=2, num_workers=2, batch_size=4, drop_last=drop_last)
+    shards, of_shard = id_cache.list_shards(), _shard_ids(records)
+    bad = int(plan.shards[plan.reader(0, 0)][0])
+    _corrupt_record(shards[bad].path, 6, bad_record)
+    rank_ids = [set().union(*(of_shard[int(i)] for w in range(2) for i in plan.shards[plan.reader(r, w)]))
+                for r in range(2)]
+    lost = {min(of_shard[bad]) + n for n in range(bad_record, 6)}
+    for rank in range(2):
+        ids, batches, skipped = _read_rank(id_cache, plan, rank, reader_class, on_corrupt="skip")
+        assert batches == plan.rank_batches(rank), f"rank {rank}: {batches} batches, {plan.rank_batches(rank)} planned"
+        assert set(ids) <= rank_ids[rank] - lost, "a rank repeats only its own intact records"
+        assert skipped == ([shards[bad].path] if rank == 0 else []), "each corrupt shard is noted once"
+        if rank == 1:
+            assert sorted(ids) == sorted(rank_ids[1]) or drop_last
+
+
+@pytest.mark.parametrize("reader_class", READERS)
+def test_a_rank_whose_every_shard_is_corrupt_keeps_its_batch_count_from_the_whole_snapshot(id_cache, reader_class):
+    records = [6, 6]
+    write_shards(id_cache, records)
+    plan = plan_epoch(records, epoch=0, seed=0, world_size=2, num_workers=1, batch_size=4)
+    shards, of_shard = id_cache.list_shards(), _shard_ids(records)
+    bad = int(plan.shards[plan.reader(0, 0)][0])
+    _corrupt_record(shards[bad].path, 6, 0)
+    ids, batches, skipped = _read_rank(id_cache, plan, 0, reader_class, on_corrupt="skip")
+    assert batches == plan.rank_batches(0) == plan.rank_batches(1) == 2
+    assert set(ids) <= of_shard[1 - bad] and skipped == [shards[bad].path]
 
 
 def test_empty_snapshot_and_bad_arguments():

@@ -62,17 +62,40 @@ def _drop_last_variants(cache_dir: str, **options) -> dict:
                                               drop_last=drop_last, **options) for drop_last in (False, True)}
 
 
-def _rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
-    _train_ddp(rank, world, port, out_dir, _drop_last_variants(cache_dir))
+def _rank(rank: int, world: int, cache_dir: str, damaged_dir: str, port: int, out_dir: str) -> None:
+    import functools
+
+    import growcache
+
+    variants = _drop_last_variants(cache_dir)
+    # One shard per worker, one of them corrupt: its worker skips it and makes up its quota
+    # (2 batches of 6 records per worker: 4 per rank).
+    variants["skip"] = functools.partial(growcache.make_torch_loader, damaged_dir, 4, num_workers=2,
+                                         on_corrupt="skip")
+    _train_ddp(rank, world, port, out_dir, variants)
 
 
 @pytest.mark.timeout(180)
 def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path):
     import torch.multiprocessing as mp
 
+    from growcache import Cache
+
     written = write_shards(id_cache, [7, 5, 9, 3, 11, 2])
-    mp.spawn(_rank, args=(2, id_cache.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    damaged = Cache(tmp_path / "damaged", capacity="1GB", schema=ID_SCHEMA)
+    damaged_ids = write_shards(damaged, [6, 6, 6, 6], first_id=100)
+    bad = damaged.list_shards()[0].path
+    with open(bad, "r+b") as f:  # a payload byte of the first record: the whole shard is lost
+        f.seek(os.path.getsize(bad) // 12)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    mp.spawn(_rank, args=(2, id_cache.path, damaged.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        a, b = (results[r]["skip"][epoch] for r in range(2))
+        assert a["batches"] == b["batches"] == 4, f"a worker's only shard was corrupt: {a['batches']}, {b['batches']}"
+        assert not set(a["ids"]) & set(b["ids"]) and set(a["ids"]) | set(b["ids"]) <= set(damaged_ids[6:])
     for drop_last in (False, True):
         for epoch in range(2):
             a, b = (results[r][str(drop_last)][epoch] for r in range(2))
