@@ -3,7 +3,9 @@
 Two pipelines under ``input_context`` read 20 epochs of a cache of at most 16 shards while a
 ``SamplerPool`` publishes many shards per epoch: as two worker processes (the multi-worker
 case, agreeing through epoch files), and as two pipelines of one process (agreeing in memory).
-See ``tests/contract/growth.py`` for what is checked.
+With ``split="node"``, two processes pose as two machines, each with its own growing cache and
+two pipelines that agree on it. See ``tests/contract/growth.py`` for what is checked and
+``growth_rank.py`` for each worker.
 """
 
 from __future__ import annotations
@@ -12,20 +14,21 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "contract"))
+sys.path.insert(0, HERE)
 
 import growth  # noqa: E402
-from growcache import Cache, SamplerPool, make_tf_dataset  # noqa: E402
+import growth_rank  # noqa: E402
+from growcache import Cache, SamplerPool  # noqa: E402
 
 
-def _grow(tmp_path, run) -> list:
-    cache = Cache(tmp_path / "cache", capacity=growth.capacity(), schema=growth.SCHEMA)
+def _grow(directory, run) -> list:
+    cache = Cache(directory / "cache", capacity=growth.capacity(), schema=growth.SCHEMA)
     with SamplerPool(cache, growth.sample, workers=1, shard_size=growth.SHARD_SIZE, max_shard_age=None) as pool:
         pool.wait_for(shards=growth.MAX_SHARDS, timeout=120)
         ranks = run(cache)
@@ -33,14 +36,24 @@ def _grow(tmp_path, run) -> list:
     return ranks
 
 
+def _records(out, pipelines: range) -> list:
+    return [json.loads((out / f"rank{p}.json").read_text()) for p in pipelines]
+
+
+def _workers(caches: list[str], out, pipelines: int, split: str, epochs: int) -> None:
+    """Run one growth_rank.py process per cache (process m reads caches[m])."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", GROWCACHE_RUN_ID=f"growth-{os.getpid()}")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "growth_rank.py"), cache, str(out), str(rank),
+                               str(len(caches)), str(pipelines), split, str(epochs)],
+                              env={**env, "GROWCACHE_NODE": f"machine-{rank}"}) for rank, cache in enumerate(caches)]
+    assert [proc.wait(timeout=500) for proc in procs] == [0] * len(caches)
+
+
 @pytest.mark.timeout(600)
 def test_two_worker_processes_agree_on_every_epoch_of_a_growing_cache(tmp_path):
     def run(cache):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", GROWCACHE_RUN_ID=f"growth-{os.getpid()}")
-        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "growth_rank.py"), cache.path, str(tmp_path),
-                                   str(rank), "2"], env=env) for rank in range(2)]
-        assert [proc.wait(timeout=500) for proc in procs] == [0, 0]
-        return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+        _workers([cache.path] * 2, tmp_path, 1, "shared", growth.EPOCHS)
+        return _records(tmp_path, range(2))
 
     growth.check(_grow(tmp_path, run), groups=[[0, 1]])
 
@@ -48,27 +61,29 @@ def test_two_worker_processes_agree_on_every_epoch_of_a_growing_cache(tmp_path):
 @pytest.mark.timeout(600)
 def test_two_pipelines_of_one_process_agree_on_every_epoch_of_a_growing_cache(tmp_path):
     def run(cache):
-        recorders = [growth.Recorder(cache.path, holder=f"tf pipeline {rank}/2") for rank in range(2)]
-        datasets = [make_tf_dataset(cache, growth.BATCH, shuffle_buffer=0, input_context=tf.distribute.InputContext(
-            num_input_pipelines=2, input_pipeline_id=rank, num_replicas_in_sync=2)) for rank in range(2)]
-        errors = []
-
-        def pipeline(rank):
-            try:
-                for epoch in range(growth.EPOCHS):
-                    recorders[rank].wait_for_growth()
-                    recorders[rank].epoch(batch["id"].numpy() for batch in datasets[rank])
-                    growth.barrier(str(tmp_path), f"epoch-{epoch}", rank, 2)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=pipeline, args=(rank,)) for rank in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(500)
-        if errors:
-            raise errors[0]
-        return [recorder.epochs for recorder in recorders]
+        growth_rank.main(cache.path, str(tmp_path), 0, 1, pipelines=2)
+        return _records(tmp_path, range(2))
 
     growth.check(_grow(tmp_path, run), groups=[[0, 1]])
+
+
+# As the torch test of split="node": 8 epochs of caches that are full and turning over from the first.
+@pytest.mark.timeout(600)
+def test_two_machines_with_split_node_agree_per_machine_on_their_own_caches(tmp_path):
+    caches = [Cache(tmp_path / f"machine-{m}", capacity=growth.capacity(), schema=growth.SCHEMA) for m in range(2)]
+    pools = [SamplerPool(cache, growth.sample, workers=1, shard_size=growth.SHARD_SIZE, max_shard_age=None, seed=m)
+             for m, cache in enumerate(caches)]
+    for pool in pools:
+        pool.start()
+    try:
+        for pool in pools:
+            pool.wait_for(shards=growth.MAX_SHARDS, timeout=120)
+        _workers([c.path for c in caches], tmp_path, 2, "node", 8)
+        for pool in pools:
+            pool.raise_if_failed()
+    finally:
+        for pool in pools:
+            pool.stop()
+    for machine in range(2):
+        # Each machine's pipelines read its own cache: equal batch counts within it, not across.
+        growth.check(_records(tmp_path, range(2 * machine, 2 * machine + 2)), groups=[[0, 1]], epochs=8)
