@@ -17,15 +17,17 @@ documented layout) and the ids those shards contain; at the end, the ids it was 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from growcache import Schema
+from growcache import Cache, SamplerPool, Schema
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
 
@@ -45,6 +47,26 @@ def sample(rng: np.random.Generator) -> dict[str, np.ndarray]:
 def capacity() -> int:
     """Bytes of the cache's budget: 16 shards."""
     return MAX_SHARDS * SHARD_SIZE
+
+
+@contextlib.contextmanager
+def growing_caches(directories: list[Any]) -> Iterator[list[Cache]]:
+    """One cache of the scenario per directory (a machine's), each filled by its own
+    ``SamplerPool`` (seeded by its index) until full and turning over while the block runs."""
+    caches = [Cache(d, capacity=capacity(), schema=SCHEMA) for d in directories]
+    pools = [SamplerPool(cache, sample, workers=1, shard_size=SHARD_SIZE, max_shard_age=None, seed=n)
+             for n, cache in enumerate(caches)]
+    for pool in pools:
+        pool.start()
+    try:
+        for pool in pools:
+            pool.wait_for(shards=MAX_SHARDS, timeout=120)
+        yield caches
+        for pool in pools:
+            pool.raise_if_failed()
+    finally:
+        for pool in pools:
+            pool.stop()
 
 
 def own_lease(cache_path: str, holder: str | None = None) -> list[int]:

@@ -24,16 +24,11 @@ sys.path.insert(0, HERE)
 
 import growth  # noqa: E402
 import growth_rank  # noqa: E402
-from growcache import Cache, SamplerPool  # noqa: E402
 
 
 def _grow(directory, run) -> list:
-    cache = Cache(directory / "cache", capacity=growth.capacity(), schema=growth.SCHEMA)
-    with SamplerPool(cache, growth.sample, workers=1, shard_size=growth.SHARD_SIZE, max_shard_age=None) as pool:
-        pool.wait_for(shards=growth.MAX_SHARDS, timeout=120)
-        ranks = run(cache)
-        pool.raise_if_failed()
-    return ranks
+    with growth.growing_caches([directory / "cache"]) as (cache,):
+        return run(cache)
 
 
 def _records(out, pipelines: range) -> list:
@@ -70,20 +65,8 @@ def test_two_pipelines_of_one_process_agree_on_every_epoch_of_a_growing_cache(tm
 # As the torch test of split="node": 8 epochs of caches that are full and turning over from the first.
 @pytest.mark.timeout(600)
 def test_two_machines_with_split_node_agree_per_machine_on_their_own_caches(tmp_path):
-    caches = [Cache(tmp_path / f"machine-{m}", capacity=growth.capacity(), schema=growth.SCHEMA) for m in range(2)]
-    pools = [SamplerPool(cache, growth.sample, workers=1, shard_size=growth.SHARD_SIZE, max_shard_age=None, seed=m)
-             for m, cache in enumerate(caches)]
-    for pool in pools:
-        pool.start()
-    try:
-        for pool in pools:
-            pool.wait_for(shards=growth.MAX_SHARDS, timeout=120)
+    with growth.growing_caches([tmp_path / f"machine-{m}" for m in range(2)]) as caches:
         _workers([c.path for c in caches], tmp_path, 2, "node", 8)
-        for pool in pools:
-            pool.raise_if_failed()
-    finally:
-        for pool in pools:
-            pool.stop()
     for machine in range(2):
         # Each machine's pipelines read its own cache: equal batch counts within it, not across.
         growth.check(_records(tmp_path, range(2 * machine, 2 * machine + 2)), groups=[[0, 1]], epochs=8)

@@ -20,7 +20,6 @@ pytest.importorskip("tfrecord")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contract"))
 
 import growth  # noqa: E402
-from growcache import Cache, SamplerPool  # noqa: E402
 
 
 def _free_port() -> int:
@@ -65,21 +64,9 @@ def _train(tmp_path, world: int, nodes: int, split: str, epochs: int = growth.EP
 
     import torch.multiprocessing as mp
 
-    caches = [Cache(tmp_path / f"node-{n}", capacity=growth.capacity(), schema=growth.SCHEMA) for n in range(nodes)]
-    pools = [SamplerPool(cache, growth.sample, workers=1, shard_size=growth.SHARD_SIZE, max_shard_age=None, seed=n)
-             for n, cache in enumerate(caches)]
-    for pool in pools:
-        pool.start()
-    try:
-        for pool in pools:
-            pool.wait_for(shards=growth.MAX_SHARDS, timeout=120)
+    with growth.growing_caches([tmp_path / f"node-{n}" for n in range(nodes)]) as caches:
         mp.spawn(_rank, args=(world, _free_port(), [c.path for c in caches], str(tmp_path), split, world // nodes,
                               epochs), nprocs=world, join=True)
-        for pool in pools:
-            pool.raise_if_failed()
-    finally:
-        for pool in pools:
-            pool.stop()
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
