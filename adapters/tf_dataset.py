@@ -109,7 +109,8 @@ def make_tf_dataset(
             otherwise. Default: ``None`` (the cache's schema).
         verify: check every record's CRC32Cs; with ``reader="tensorflow"``, each shard whole
             before TensorFlow opens it, so a corrupt or crafted shard never reaches
-            TensorFlow's reader. Default: ``True``.
+            TensorFlow's reader (``False``: only each shard's size against its name).
+            Default: ``True``.
         on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError` naming the file and
             offset (inside Keras, in a ``tf.errors.OpError``'s message), or ``"skip"`` the
             shard from the bad record on (``reader="tensorflow"``: whole), noted in
@@ -186,13 +187,11 @@ def _tensorflow(iterators: IteratorEpochs, label: str | None, cycle: int, block_
     read = tf.data.TFRecordDataset
 
     def shard_files(paths):
-        files = tf.data.Dataset.from_tensor_slices(paths)
-        if options.verify:
-            # One Python call per shard (never per record): check it, then hand the path on.
-            files = files.map(lambda path: tf.reshape(
-                tf.numpy_function(iterators.checked_path, [path], tf.string, stateful=True), []))
-            files = files.filter(lambda path: tf.strings.length(path) > 0)
-        return files
+        # One Python call per shard (never per record): check it (without verify, its size
+        # against its name), then hand the path on.
+        files = tf.data.Dataset.from_tensor_slices(paths).map(lambda path: tf.reshape(
+            tf.numpy_function(iterators.checked_path, [path], tf.string, stateful=True), []))
+        return files.filter(lambda path: tf.strings.length(path) > 0)
 
     def read_epoch(token, paths, top_up_paths, quota, shuffle_seed):
         records = shard_files(paths).interleave(

@@ -60,7 +60,7 @@ from .errors import (
 )
 from .planning import EpochPlan, plan_epoch, reader_seed
 from .readers import ReaderSpec
-from .records import check_records
+from .records import check_named_size, check_records
 from .schema import Schema
 from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
 from .shard import ShardInfo
@@ -206,7 +206,8 @@ class EpochOptions:
             synchronized replica waits on one that ran out. Default: ``True``.
         verify: check every record's CRC32C before it is used; lengths, framing and record
             counts are checked anyway. TensorFlow's reader gets a shard only once growcache
-            has checked it whole. Default: ``True``.
+            has checked it whole (with ``verify=False``, once its size matches its name).
+            Default: ``True``.
         on_corrupt: ``"raise"`` a :class:`~growcache.CorruptShardError` naming the file and
             offset, after the batches completed before the bad record, or ``"skip"`` the shard
             from the bad record on (TensorFlow's ``reader="tensorflow"``: the whole shard),
@@ -583,7 +584,9 @@ class Epochs:
 
         Every CRC, every length against the file's size and the record count against the
         shard's name are checked with bounded memory, so a crafted shard can never reach
-        that reader. With ``verify=False`` nothing is checked.
+        that reader. With ``verify=False`` only the file's size is checked against the
+        shard's name (one ``stat``), so that a shard cut short, even at a record boundary,
+        still fails rather than lose records silently.
 
         Returns:
             ``True`` to read the shard; ``False`` to skip it (``on_corrupt="skip"``; the
@@ -593,10 +596,11 @@ class Epochs:
             CorruptShardError: the shard is corrupt and ``on_corrupt="raise"``.
         """
         epochs = self
-        if not epochs.options.verify:
-            return True
         try:
-            check_records(path)
+            if epochs.options.verify:
+                check_records(path)
+            else:
+                check_named_size(path)
         except CorruptShardError as exc:
             if epochs.options.on_corrupt == "raise":
                 raise

@@ -136,6 +136,27 @@ def check_records(path: str | os.PathLike, *, expected: int | None = None) -> in
         return count
 
 
+def check_named_size(path: str | os.PathLike) -> None:
+    """Check that a shard's file holds the bytes its name states (one ``stat``; no read).
+
+    A shard cut short or grown, even at a record boundary, fails it. Files whose names
+    state nothing pass.
+
+    Raises:
+        CorruptShardError: the size differs from the name's, at the first byte that differs.
+    """
+    path = os.fspath(path)
+    named = ShardInfo.from_path(path)
+    if named is not None:
+        size = os.stat(path).st_size
+        if size != named.nbytes:
+            raise _named_size_error(path, size, named.nbytes)
+
+
+def _named_size_error(path: str, size: int, named_bytes: int) -> CorruptShardError:
+    return CorruptShardError(path, min(size, named_bytes), f"has {size} bytes, its name says {named_bytes}")
+
+
 def count_checked(path: str | os.PathLike, frames: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
     """Pass on another reader's ``(offset, record)`` frames of ``path``, checking their count.
 
@@ -275,8 +296,7 @@ class _FrameReader:
             raise CorruptShardError(path, offset, f"holds {count} records, its name says {self.expected}: "
                                                   "the shard was cut short")
         if self.named_bytes is not None:
-            raise CorruptShardError(path, min(size, self.named_bytes),
-                                    f"has {size} bytes, its name says {self.named_bytes}")
+            raise _named_size_error(path, size, self.named_bytes)
 
 
 def detect_compression(head: bytes) -> str | None:

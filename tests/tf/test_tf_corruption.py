@@ -92,3 +92,21 @@ def test_on_corrupt_skip_passes_over_the_damage_and_reports_it(id_cache, how):
         # ones before it may be, once).
         assert not set(got) & set(bad_ids[BAD_RECORD:]), f"epoch {epoch}: records from the damaged one on"
     assert [(e.path, e.offset) for e in ds.corrupt_shards] == [(bad, BAD_RECORD * FRAME)] * 2
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("reader", ["growcache", "tensorflow"])
+def test_a_shard_cut_at_a_record_boundary_is_corrupt_with_either_reader_and_either_verify(id_cache, reader, verify):
+    # Its name says 4 records, its file holds 3 whole ones: no frame is damaged, so only the
+    # name tells. TensorFlow's own reader would deliver the 3 and say nothing.
+    ids = write_shards(id_cache, [4, 4, 4])
+    bad = id_cache.list_shards()[1].path
+    os.truncate(bad, 3 * FRAME)
+    with pytest.raises(CorruptShardError, match="its name says") as info:
+        _read(make_tf_dataset(id_cache, 2, seed=0, reader=reader, verify=verify))
+    assert info.value.path == bad
+    del info
+    ds = make_tf_dataset(id_cache, 2, seed=0, reader=reader, verify=verify, on_corrupt="skip")
+    got = _read(ds)
+    assert set(ids[:4] + ids[8:]) <= set(got) <= set(ids[:7] + ids[8:]) and len(got) == len(set(got))
+    assert [e.path for e in ds.skipped] == [bad]
