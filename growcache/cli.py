@@ -387,21 +387,13 @@ def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: in
 
 def _holds_tfrecords(source: Any) -> bool:
     """Whether the first object of ``source`` starts as a TFRecord file does (plain, GZIP or ZLIB)."""
-    import zlib
-
-    from .records import HEADER_BYTES, detect_compression, masked_crc32c
+    from .records import starts_tfrecord
 
     try:
         head = source._fetch(source.paths()[0], 0, 256)
     except Exception:  # the error being reported says more than this guess could
         return False
-    compression = detect_compression(head)
-    if compression is not None:
-        try:
-            head = zlib.decompressobj(zlib.MAX_WBITS | (16 if compression == "GZIP" else 0)).decompress(head)
-        except zlib.error:
-            return False
-    return len(head) >= HEADER_BYTES and masked_crc32c(head[:8]) == int.from_bytes(head[8:12], "little")
+    return starts_tfrecord(head)
 
 
 def run_sample_command(args: Any) -> int:

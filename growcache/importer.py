@@ -30,7 +30,14 @@ from ._size import parse_size
 from .errors import CompressedFileError, CorruptShardError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker, scan_example
 from .manifest import _unlink_quiet
-from .records import FOOTER_BYTES, HEADER_BYTES, compressed_file_message, detect_compression, masked_crc32c
+from .records import (
+    FOOTER_BYTES,
+    HEADER_BYTES,
+    INFLATE_WBITS,
+    compressed_file_message,
+    detect_compression,
+    masked_crc32c,
+)
 from .schema import Schema
 from .store import StoreSource
 from .tensor_proto import parse_tensor
@@ -56,7 +63,6 @@ CHUNK_BYTES = 8 << 20
 _LENGTH_AND_CRC = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
 _IOV_MAX = 1024
-_WBITS = {"GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ class TFRecordFiles(StoreSource):
 
 
 def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator[bytes]:
-    inflater = zlib.decompressobj(_WBITS[compression])
+    inflater = zlib.decompressobj(INFLATE_WBITS[compression])
     try:
         for chunk in chunks:
             data = inflater.decompress(chunk)
@@ -146,7 +152,7 @@ def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator
                 rest = inflater.unused_data
                 if data:
                     yield data
-                inflater = zlib.decompressobj(_WBITS[compression])
+                inflater = zlib.decompressobj(INFLATE_WBITS[compression])
                 data = inflater.decompress(rest)
             if data:
                 yield data

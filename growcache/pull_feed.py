@@ -181,10 +181,9 @@ class SlabFeed:
                     self.iterators.epochs.note_skipped(item)
                     continue
                 handle, arrays = item
-                rows = len(arrays[self.names[0]])
                 if handle is not None:
                     arrays = slab.open(handle, copy_below=COPY_BELOW)
-                yield [np.int64(rows), *(arrays[name] for name in self.names)]
+                yield [np.int64(len(arrays[self.names[0]])), *(arrays[name] for name in self.names)]
         finally:
             with self._lock:
                 self._slabs.append(slab)

@@ -28,6 +28,7 @@ __all__ = [
     "frame_header",
     "iter_records",
     "masked_crc32c",
+    "starts_tfrecord",
     "unmask_crc32c",
 ]
 
@@ -299,6 +300,15 @@ class _FrameReader:
             raise _named_size_error(path, size, self.named_bytes)
 
 
+#: ``zlib.decompressobj``'s ``wbits`` for each compression :func:`detect_compression` names.
+INFLATE_WBITS = {"GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
+
+
+def _record_header_ok(head: bytes) -> bool:
+    """Whether ``head`` starts with a record length whose CRC holds."""
+    return len(head) >= HEADER_BYTES and masked_crc32c(head[:8]) == _CRC.unpack_from(head, 8)[0]
+
+
 def detect_compression(head: bytes) -> str | None:
     """``"GZIP"``, ``"ZLIB"`` or ``None`` (a plain TFRecord file, or not a TFRecord file at all).
 
@@ -306,10 +316,8 @@ def detect_compression(head: bytes) -> str | None:
     stream matches by chance; GZIP starts with ``1f 8b``; ZLIB with a 2-byte header whose
     check bits hold, and its first bytes must then inflate to a valid record header.
     """
-    if len(head) >= HEADER_BYTES:
-        length_crc = _CRC.unpack_from(head, 8)[0]
-        if masked_crc32c(head[:8]) == length_crc:
-            return None
+    if _record_header_ok(head):
+        return None
     if head[:2] == b"\x1f\x8b":
         return "GZIP"
     if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
@@ -317,9 +325,20 @@ def detect_compression(head: bytes) -> str | None:
             inflated = zlib.decompressobj(zlib.MAX_WBITS).decompress(head, HEADER_BYTES)
         except zlib.error:
             return None
-        if len(inflated) < HEADER_BYTES or masked_crc32c(inflated[:8]) == _CRC.unpack_from(inflated, 8)[0]:
+        if len(inflated) < HEADER_BYTES or _record_header_ok(inflated):
             return "ZLIB"
     return None
+
+
+def starts_tfrecord(head: bytes) -> bool:
+    """Whether a file's first bytes ``head`` start a TFRecord file: plain, GZIP or ZLIB."""
+    compression = detect_compression(head)
+    if compression is not None:
+        try:
+            head = zlib.decompressobj(INFLATE_WBITS[compression]).decompress(head)
+        except zlib.error:
+            return False
+    return _record_header_ok(head)
 
 
 def compressed_file_message(source: str, compression: str, cache_path: str | None = None) -> str:
