@@ -1,20 +1,16 @@
-"""``make_tf_dataset``: a ``tf.data`` pipeline that reads a growing cache, one snapshot per epoch.
+"""``make_tf_dataset``: a ``tf.data`` pipeline over a growing cache, one snapshot per iterator.
 
 The epoch is the core's :class:`growcache.epoch.Epochs`; each iterator's start, leave, shard
-checks and batches are :mod:`growcache.pull_feed`'s. This module bridges them to ``tf.data``.
-Every iterator over the dataset is one epoch. Its first stage starts the epoch and returns this
-pipeline's share as tensors. After it, ``reader="growcache"`` pulls the core's readers a batch
-per call into zero-copy tensors; ``reader="tensorflow"`` runs in TensorFlow's runtime: an
-interleave of ``TFRecordDataset`` (each shard checked by growcache first, when verifying), a
-shuffle buffer, ``batch``, batched ``parse_example``, ``decode_raw`` and ``reshape``.
+checks and batches are :mod:`growcache.pull_feed`'s. This module bridges them to ``tf.data``:
+``reader="growcache"`` pulls the core's readers a batch per call into zero-copy tensors;
+``reader="tensorflow"`` interleaves ``TFRecordDataset`` over shards growcache checked first,
+then shuffles, batches and parses in TensorFlow's runtime.
 
-That first stage is a one-element ``GeneratorDataset`` nested in a ``flat_map``. TensorFlow runs
-its finalizer when the C++ iterator holding it goes, whoever made that iterator (``iter()``, a
-derived ``ds.map(...)``, ``tf.distribute``, Keras, a ``tf.function`` loop). So the iterator
-leaves the epoch at the first of its second pull (every record has left the read stages) and
-its teardown, never by garbage collection. (At the top of a pipeline a ``GeneratorDataset``
-would turn off TensorFlow's rewrites of the whole pipeline; inside a ``flat_map`` it costs
-nothing per record.)
+Each iterator's first stage is a one-element ``GeneratorDataset`` nested in a ``flat_map``,
+whose finalizer TensorFlow runs when the C++ iterator holding it goes, whoever made it (Keras,
+``tf.distribute``, a ``tf.function`` loop): so an iterator leaves its epoch at its second pull
+or its teardown, never by garbage collection. (At the top of a pipeline a ``GeneratorDataset``
+would turn off TensorFlow's rewrites of the whole pipeline; in a ``flat_map`` it costs nothing.)
 """
 
 from __future__ import annotations
@@ -78,61 +74,38 @@ def make_tf_dataset(
     datasets of unknown cardinality); train with :func:`growcache.fit_growing` to follow the
     growth.
 
-    ``seed``, ``shuffle_buffer``, ``drop_remainder`` (``drop_last``), ``verify``,
-    ``on_corrupt``, ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in
-    ``make_torch_loader``, with the same defaults, and are documented with how each reader
-    applies them in :class:`growcache.epoch.EpochOptions`.
-
     Args:
         cache: a :class:`Cache` or the path of a cache directory.
         batch_size: records per batch of this input pipeline (under ``tf.distribute``,
             the per-replica batch size, e.g. ``input_context.get_per_replica_batch_size(B)``).
-        shuffle_buffer: records shuffled together; ``0`` for none. Default: about 32 MiB.
-        seed: shard order and record shuffle; the first pipeline's serves its group.
-            Default: ``0``.
-        cycle_length: shards read at once. ``reader="growcache"``: this pipeline's reader
-            threads, each forming its own batches, so an epoch may end with that many partial
-            batches (one reader per pipeline under ``input_context`` with several pipelines);
+        cycle_length: shards read at once. ``reader="growcache"``: reader threads, each with
+            its own last partial batch (one under ``input_context`` with several pipelines);
             default half the CPU count, 1 to 4. ``reader="tensorflow"``: the interleave's;
-            default the CPU count, 4 to 16, at most the epoch's shards.
+            default the CPU count, 4 to 16.
         block_length: consecutive records taken from one shard (``reader="tensorflow"``).
             Default: ``1``.
-        drop_remainder: drop the final partial batch. Default: ``False``.
-        input_context: from ``strategy.distribute_datasets_from_function``. The pipelines of
-            a group read one snapshot per epoch, the one their first pipeline took (in one
-            process, or across processes through an epoch file in the cache directory); each
-            reads disjoint whole shards of it, and all yield the same number of batches.
-            Default: ``None`` (one pipeline).
+        input_context: from ``strategy.distribute_datasets_from_function``. A group's pipelines
+            read the snapshot their first pipeline took (across processes through an epoch
+            file), each disjoint whole shards, all the same number of batches. Default: ``None``.
         label: a feature to return apart: elements become ``(features, label)``.
             Default: ``None`` (elements are a dict of tensors).
         features: the schema, for a cache that has none stored; must equal the stored one
             otherwise. Default: ``None`` (the cache's schema).
-        verify: check every record's CRC32Cs; with ``reader="tensorflow"``, each shard whole
-            before TensorFlow opens it, so a corrupt or crafted shard never reaches
-            TensorFlow's reader (``False``: only each shard's size against its name).
-            Default: ``True``.
-        on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError` naming the file and
-            offset (inside Keras, in a ``tf.errors.OpError``'s message), or ``"skip"`` the
-            shard from the bad record on (``reader="tensorflow"``: whole), noted in
-            ``skipped``. Default: ``"raise"``.
-        wait_for_shards: seconds an epoch waits for a first shard; ``0`` raises
-            :class:`EmptyCacheError` at construction if the cache is empty. Default: ``0.0``.
         deterministic: keep the interleave and parse order deterministic, so that
             ``(seed, epoch)`` fixes the record order too; ``False`` lets a slow shard be
             overtaken. Default: ``True``.
-        read_buffer: read buffer of each ``TFRecordDataset`` in bytes, ``cycle_length`` of
-            them live at once (``reader="tensorflow"``; TensorFlow's own 256 KiB cost about
-            25% more CPU per GB here, for 1 MiB records). Default: 8 MiB.
-        split: ``"shared"`` (every pipeline reads one snapshot per epoch) or ``"node"``
-            (those of this process: a cache per machine). Default: ``"shared"``.
-        run_id: keeps this run's epoch files apart from another's. Default: ``None``.
-        reader: ``"growcache"``: the core's vectorized reader
-            (:class:`~growcache.vector_reader.VectorReader`) reads batches, one Python call per
-            batch, and hands them to TensorFlow without a copy (large features are views of
-            reused page-aligned slots, small ones copies); a schema with ``int64_list``
-            features, whose records have no fixed layout, is read by TensorFlow instead.
-            ``"tensorflow"``: ``TFRecordDataset``, ``Dataset.shuffle`` and batched
-            ``parse_example`` in TensorFlow's runtime. Default: ``"growcache"``.
+        read_buffer: bytes of each ``TFRecordDataset``'s buffer (``reader="tensorflow"``;
+            TensorFlow's 256 KiB cost 25% more CPU per GB at 1 MiB records). Default: 8 MiB.
+        reader: ``"growcache"``: the core's :class:`~growcache.vector_reader.VectorReader`,
+            a Python call per batch, handed over without a copy (a schema with ``int64_list``
+            features has no fixed layout: TensorFlow reads it). ``"tensorflow"``:
+            ``TFRecordDataset`` and batched ``parse_example``. Default: ``"growcache"``.
+
+    The epoch arguments (``shuffle_buffer``, ``seed``, ``drop_remainder`` as ``drop_last``,
+    ``verify``, ``on_corrupt`` into ``skipped``, ``wait_for_shards``, ``split``, ``run_id``)
+    mean what they mean in ``make_torch_loader``, with the same defaults: see
+    :class:`growcache.epoch.EpochOptions`, in the API reference too. Inside
+    Keras, a :class:`~growcache.CorruptShardError` reaches you in a ``tf.errors.OpError``.
 
     Returns:
         The dataset; elements hold the schema's dtypes with shapes ``(batch, *shape)``. Its

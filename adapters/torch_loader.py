@@ -1,13 +1,9 @@
 """PyTorch adapter: ``make_torch_loader`` turns a growing cache into a ``DataLoader``.
 
-The epoch (snapshot, agreement between ranks, plan, shares, lease, corrupt-shard report,
-defaults) is the core's :class:`growcache.epoch.Epochs`; the trip of each epoch's shares to the
-workers and of their batches back through shared-memory slabs is
-:class:`growcache.worker_feed.WorkerFeed`. This module wires them into DataLoader terms:
-``iter(loader)`` starts the epoch and announces it to the workers, which read their shares into
-slab slots and yield :class:`~growcache.transport.SlotHandle` s; the training process wraps a
-slot's arrays in tensors without a copy (``torch.from_numpy``). Under ``torch.distributed``,
-ranks agree on each epoch through ``all_gather_object``.
+The epoch is the core's :class:`growcache.epoch.Epochs`; the trip of its shares to the workers
+and of their batches back through shared-memory slabs is :class:`growcache.worker_feed.WorkerFeed`.
+This module wires them into DataLoader terms, and wraps each slot's arrays in tensors without a
+copy (``torch.from_numpy``). Ranks agree on each epoch through ``all_gather_object``.
 """
 
 from __future__ import annotations
@@ -66,10 +62,8 @@ class _CacheStream(IterableDataset):
         self.feed = feed
 
     def set_epoch(self, epoch: int) -> None:
-        """Never called by growcache's loader. Wrappers that rebuilt the DataLoader around this
-        dataset call it (Accelerate, at every ``iter()``): so it raises
-        :class:`~growcache.ForeignLoaderError` at once, with the fix, rather than let them
-        iterate a dataset that no epoch was started for."""
+        """Called only by wrappers that rebuilt the DataLoader around this dataset (Accelerate, at
+        every ``iter()``): :class:`~growcache.ForeignLoaderError` names the fix at once."""
         raise ForeignLoaderError()
 
     def __iter__(self) -> Iterator[Any]:
@@ -247,47 +241,29 @@ def make_torch_loader(
         batch_size: records per batch.
         num_workers: DataLoader worker processes; ``0`` reads in the training process.
             Default: ``2``.
-        shuffle_buffer: records shuffled together in each worker, with no extra copy; ``0``
-            for none. Default: about 32 MiB of records.
-        seed: shard and record shuffle seed; rank 0's is used by every rank. Default: ``0``.
-        drop_last: drop each worker's last partial batch. Default: ``False``.
-        pin_memory: page-locked batches for your own ``.to(device, non_blocking=True)``:
-            features above 256 KiB per batch are zero-copy views of a slab registered with
-            CUDA, smaller ones are copied into pinned memory. A slot is reused only after
-            you dropped the batch and an event on the current stream recorded at a later
-            request has completed, so copies you enqueue on that stream before dropping a
-            batch are safe. Without CUDA it warns and is ignored. Default: ``False``.
-        device: ``"cuda"``, ``"cuda:N"`` or a ``torch.device``: batches arrive on that GPU,
-            copied by DMA from registered slabs on a side stream, one batch ahead, and
-            ordered on your current stream. ``"cuda"`` is the current device at each epoch's
-            start (each rank's under DDP). ``None`` or ``"cpu"``: CPU batches. With a device,
-            ``pin_memory`` and ``copy`` have no effect. Default: ``None``.
+        pin_memory: page-locked batches for your own ``.to(device, non_blocking=True)``
+            (features above 256 KiB per batch are views of a CUDA-registered slab, reused only
+            once the copies you enqueued on the current stream before dropping the batch are
+            done). Without CUDA it warns and is ignored. Default: ``False``.
+        device: ``"cuda"`` (each epoch's current device), ``"cuda:N"`` or a ``torch.device``:
+            batches arrive on that GPU, copied from registered slabs on a side stream one
+            batch ahead; ``pin_memory`` and ``copy`` then do nothing. Default: ``None`` (CPU).
         persistent_workers: keep workers between epochs. Default: ``num_workers > 0``.
         prefetch_factor: batches in flight per worker. Default: ``2``.
-        even_batches: every rank yields the same number of batches. Default: ``True``.
-        verify: check every record's CRC32C. Default: ``True``.
-        on_corrupt: ``"raise"`` :class:`~growcache.CorruptShardError`, or ``"skip"`` the rest
-            of the shard, noted in ``loader.skipped``. Default: ``"raise"``.
-        wait_for_shards: seconds an epoch waits for a first shard. Default: ``0.0``.
-        reader: ``"growcache"``: the core's vectorized reader
-            (:class:`~growcache.vector_reader.VectorReader`), which reads shards of one
-            fixed record layout (any schema without ``int64_list`` features) a piece at a
-            time, and other shards record by record. ``"tfrecord"``: the ``tfrecord``
-            package frames every record, one at a time; growcache checks the CRCs.
-            Default: ``"growcache"``.
-        copy: copy each batch out of shared memory instead of zero-copy views (frees the
-            slot at once; costs a memcpy in the training process). Default: ``False``.
+        reader: ``"growcache"``: the core's :class:`~growcache.vector_reader.VectorReader`
+            (fixed-layout shards a piece at a time, others record by record). ``"tfrecord"``:
+            the ``tfrecord`` package frames each record. Default: ``"growcache"``.
+        copy: copy each batch out of shared memory (a memcpy in the training process) instead
+            of zero-copy views. Default: ``False``.
         multiprocessing_context: passed to ``DataLoader``. Default: ``None``.
-        split: ``"shared"`` (one cache for every rank) or ``"node"`` (one cache per machine,
-            named by ``$GROWCACHE_NODE`` or its hostname). Default: ``"shared"``.
-        run_id: keys the epoch files of ranks without a process group. Default: ``None``.
         worker_init_fn, timeout, generator, pin_memory_device, in_order: as in ``DataLoader``
             (``generator`` seeds the workers' torch RNG; growcache's order comes from ``seed``;
             ``in_order`` needs torch 2.6 or later). Defaults: ``DataLoader``'s.
 
-    ``seed``, ``shuffle_buffer``, ``drop_last``, ``even_batches``, ``verify``, ``on_corrupt``,
-    ``wait_for_shards``, ``split`` and ``run_id`` mean what they mean in ``make_tf_dataset``,
-    with the same defaults: see :class:`growcache.epoch.EpochOptions`.
+    The epoch arguments (``shuffle_buffer``, ``seed``, ``drop_last``, ``even_batches``,
+    ``verify``, ``on_corrupt`` into ``loader.skipped``, ``wait_for_shards``, ``split``,
+    ``run_id``) mean what they mean in ``make_tf_dataset``, with the same defaults: see
+    :class:`growcache.epoch.EpochOptions`, in the API reference too.
 
     Raises:
         SchemaError: the cache has no schema.

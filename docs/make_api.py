@@ -21,7 +21,8 @@ SECTIONS = [
     ("Cache and shards", ["Cache", "CacheStats", "VerifyReport", "Snapshot", "ShardInfo", "ShardState", "ShardWriter"]),
     ("Schema", ["Schema", "FeatureSpec"]),
     ("Sampling", ["SamplerPool"]),
-    ("Framework adapters", ["make_tf_dataset", "fit_growing", "make_torch_loader"]),
+    # The adapters' shared epoch arguments are documented once, on the core's EpochOptions.
+    ("Framework adapters", ["make_tf_dataset", "fit_growing", "make_torch_loader", "growcache.epoch.EpochOptions"]),
     ("Sizes", ["parse_size", "format_size"]),
 ]
 
@@ -124,7 +125,10 @@ def render() -> str:
     for title, members in SECTIONS:
         lines += [f"## {title}", ""]
         for name in members:
-            if name in names:
+            if "." in name:  # documented where it is defined, not exported from growcache
+                module, _, short = name.rpartition(".")
+                lines.append(_render(short, module))
+            elif name in names:
                 lines.append(_render(name, origin.get(name, "growcache")))
                 placed.add(name)
     lines += ["## Errors", "", "Every error subclasses `GrowcacheError` and a builtin (`growcache/errors.py`).", ""]

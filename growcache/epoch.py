@@ -185,7 +185,9 @@ class Group:
 class EpochOptions:
     """The epoch arguments both adapters share: one meaning, one default, checked here.
 
-    ``make_torch_loader`` and ``make_tf_dataset`` document them briefly and refer here.
+    ``make_torch_loader`` and ``make_tf_dataset`` take them as keyword arguments of the same
+    names and defaults (``make_tf_dataset`` names ``drop_last`` ``drop_remainder``, as
+    ``Dataset.batch`` does) and refer here.
 
     Attributes:
         batch_size: records per batch of one reader (a DataLoader worker, a TensorFlow pipeline).
@@ -213,7 +215,9 @@ class EpochOptions:
             from the bad record on (TensorFlow's ``reader="tensorflow"``: the whole shard),
             noted in ``skipped`` and logged. Default: ``"raise"``.
         wait_for_shards: seconds an epoch waits for a first shard in an empty cache before
-            :class:`~growcache.EmptyCacheError`. Default: ``0.0``.
+            :class:`~growcache.EmptyCacheError`; with ``0``, ``make_tf_dataset`` raises it at
+            once (outside TensorFlow's error wrapping), ``iter(loader)`` at the epoch's start.
+            Default: ``0.0``.
         split: the ranks that read one snapshot per epoch: ``"shared"``, all of them (one
             cache); ``"node"``, those of one machine (a cache per machine, named by
             ``$GROWCACHE_NODE`` or its hostname). Default: ``"shared"``.
