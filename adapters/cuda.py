@@ -42,7 +42,7 @@ from growcache.device_release import InFlight, ReleaseQueue, deliver
 from growcache.errors import DeviceError
 from growcache.transport import Slab, SlotHandle
 
-__all__ = ["EXTRA_SLOTS", "CudaDelivery", "SlotBatch", "resolve_device"]
+__all__ = ["EXTRA_SLOTS", "CudaDelivery", "SlotBatch", "delivery_for", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,23 @@ def resolve_device(device: Any) -> torch.device | None:
         raise DeviceError(f"make_torch_loader(device={device!r}) but this process sees {count} CUDA device(s), "
                           f"cuda:0 to cuda:{count - 1} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     return dev
+
+
+def delivery_for(device: Any, pin_memory: bool, copy: bool, copy_below: int) -> CudaDelivery | None:
+    """The delivery ``make_torch_loader(device=, pin_memory=)`` asks for; ``None``: plain CPU batches.
+
+    Raises:
+        ValueError, DeviceError: as :func:`resolve_device`.
+    """
+    target = resolve_device(device)
+    if target is None and pin_memory and not torch.cuda.is_available():
+        # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
+        warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
+                      stacklevel=3)
+        return None
+    if target is None and not pin_memory:
+        return None
+    return CudaDelivery(target, pin=target is None, copy=copy, copy_below=copy_below)
 
 
 def _memlock_limit() -> str:

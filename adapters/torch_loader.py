@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
-from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, resolve_device
+from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, delivery_for
 from growcache.adapters.tfrecord_frames import tfrecord_frames
 from growcache.batching import growcache_frames
 from growcache.cache import Cache
@@ -295,14 +294,7 @@ def make_torch_loader(
                     holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
-    target = resolve_device(device)
-    if pin_memory and target is None and not torch.cuda.is_available():
-        # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
-        warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
-                      stacklevel=2)
-        pin_memory = False
-    delivery = CudaDelivery(target, pin=target is None, copy=copy, copy_below=COPY_BELOW) \
-        if target is not None or pin_memory else None
+    delivery = delivery_for(device, pin_memory, copy, COPY_BELOW)
     context = multiprocessing_context
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)
