@@ -114,7 +114,7 @@ class _FixedFrames:
         return size // self.frame if size % self.frame == 0 else None
 
     def check(self, constant: np.ndarray, footers: np.ndarray, records: list[Any],
-              verify: bool) -> tuple[int, str | None, np.ndarray]:
+              verify: bool, release_gil: bool = True) -> tuple[int, str | None, np.ndarray]:
         """Check consecutive frames by their constant bytes and CRCs.
 
         Args:
@@ -123,6 +123,7 @@ class _FixedFrames:
             records: per frame, its record's bytes for the CRC: one buffer, or a list of
                 buffers when payloads were read in place (:attr:`direct`).
             verify: check the CRCs.
+            release_gil: let go of the GIL during each CRC.
 
         Returns:
             ``(good, why, layout_ok)``: the first ``good`` frames may be used; ``why`` says
@@ -137,7 +138,11 @@ class _FixedFrames:
         if not headers_ok.all():
             good, why = int(np.argmin(headers_ok)), "header"
         if verify and good:
-            crcs = map(_crc_releasing, records[:good]) if self.direct is False else map(_crc_of, records[:good])
+            mode = 1 if release_gil else 0
+            if self.direct:
+                crcs = (_crc_of(pieces, mode) for pieces in records[:good])
+            else:
+                crcs = map(_crc_releasing if release_gil else crc32c, records[:good])
             computed = np.fromiter(crcs, np.uint32, good)
             masked = ((computed >> np.uint32(15)) | (computed << np.uint32(17))) + _MASK_DELTA
             mismatch = masked != footers[:good]
@@ -146,15 +151,14 @@ class _FixedFrames:
         return good, why, same[:good, HEADER_BYTES:].all(axis=1)
 
 
-def _crc_of(pieces: list[Any]) -> int:
+def _crc_of(pieces: list[Any], gil_release_mode: int) -> int:
     crc = 0
     for piece in pieces:
-        crc = crc32c(piece, crc, 1)
+        crc = crc32c(piece, crc, gil_release_mode)
     return crc
 
 
-# The GIL is let go for every record, not only for large ones: readers in threads (the
-# TensorFlow adapter's) then check their records in parallel.
+# For every record, not only for the large ones that crc32c's default lets go for.
 _crc_releasing = functools.partial(crc32c, gil_release_mode=1)
 
 
@@ -534,11 +538,11 @@ class VectorReader(BatchReader):
                         # the next good record would draw the same permutation.
                         window.open()
                         constant, footers, records = shard.read_into(done, window.destinations(count))
-                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify)
+                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify, self.release_gil)
                         window.placed_direct(good, layout_ok, shard, done)
                     else:
                         frames, constant, footers, records = shard.read(done, count)
-                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify)
+                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify, self.release_gil)
                         if good:
                             window.open()
                             window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record)

@@ -202,6 +202,7 @@ class WorkerFeed:
             message = self._receive(worker, generation)
             self._counters[1 + worker] = message.generation
             slab = remap_in_worker(self.slabs[worker]) if self.remap else self.slabs[worker]
+            reader.release_gil = False  # alone in its process: no other thread to let go of it for
             slab.prefault()
             slab.start_generation(message.generation, message.held)
         try:

@@ -32,11 +32,15 @@ from growcache.vector_reader import VectorReader
 MODES = ["copy", "direct"]
 
 
-@pytest.fixture(params=MODES)
+@pytest.fixture(params=[*MODES, "copy-gil-held", "direct-gil-held"])
 def mode(request, monkeypatch):
-    """Which fast path the vectorized reader takes, with small pieces so that they split windows."""
-    _set_mode(monkeypatch, request.param)
-    return request.param
+    """Which fast path the vectorized reader takes, with small pieces so that they split windows;
+    ``-gil-held``: its CRCs keep the GIL, as in a DataLoader worker."""
+    mode, _, held = request.param.partition("-")
+    _set_mode(monkeypatch, mode)
+    if held:
+        monkeypatch.setattr(BatchReader, "release_gil", False)
+    return mode
 
 
 def _set_mode(monkeypatch, mode: str, piece_bytes: int = 300) -> None:
