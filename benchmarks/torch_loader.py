@@ -6,8 +6,10 @@ the public API, warms the page cache, then runs each contender in a process of i
 * ``plain_readinto``: sequential ``readinto`` of the shard files (the physical limit);
 * ``tfrecord_indexed``: ``tfrecord.torch.TFRecordDataset`` per shard with index files,
   chained, ``DataLoader(batch_size, num_workers=2)`` (the package's README usage);
-* ``growcache_1w`` / ``growcache_2w``: ``growcache.make_torch_loader`` (tfrecord reader);
-* ``growcache_2w_core_reader``: the same with ``reader="growcache"`` (the core's framing).
+* ``growcache_1w`` / ``growcache_2w``: ``growcache.make_torch_loader(reader="tfrecord")``,
+  the ``tfrecord`` package framing each record in the workers;
+* ``growcache_2w_core_reader``: the same with the default ``reader="growcache"``, the core's
+  vectorized reader (``benchmarks/throughput.py`` measures only this default).
 
 Per contender: unique payload MB/s and records/s (median of timed epochs), the training
 process's CPU seconds per GB, peak RSS of the training process and of its workers, and the
