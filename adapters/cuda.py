@@ -40,7 +40,7 @@ import torch
 
 from growcache.device_release import InFlight, ReleaseQueue, deliver
 from growcache.errors import DeviceError
-from growcache.transport import Slab, SlotHandle
+from growcache.transport import COPY_BELOW, Slab, SlotHandle
 
 __all__ = ["EXTRA_SLOTS", "CudaDelivery", "SlotBatch", "delivery_for", "resolve_device"]
 
@@ -112,21 +112,23 @@ def resolve_device(device: Any) -> torch.device | None:
     return dev
 
 
-def delivery_for(device: Any, pin_memory: bool, copy: bool, copy_below: int) -> CudaDelivery | None:
-    """The delivery ``make_torch_loader(device=, pin_memory=)`` asks for; ``None``: plain CPU batches.
+def delivery_for(device: Any, pin_memory: bool, copy: bool) -> CudaDelivery | None:
+    """The delivery ``make_torch_loader(device=, pin_memory=, copy=)`` asks for; ``None``: plain
+    CPU batches.
 
     Raises:
         ValueError, DeviceError: as :func:`resolve_device`.
     """
     target = resolve_device(device)
-    if target is None and pin_memory and not torch.cuda.is_available():
-        # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
-        warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not pinned",
-                      stacklevel=3)
-        return None
-    if target is None and not pin_memory:
-        return None
-    return CudaDelivery(target, pin=target is None, copy=copy, copy_below=copy_below)
+    if target is None:
+        if not pin_memory:
+            return None
+        if not torch.cuda.is_available():
+            # As DataLoader does: pinning needs an accelerator; without one it is a no-op, not an error.
+            warnings.warn("make_torch_loader(pin_memory=True) but no CUDA device is available: batches are not "
+                          "pinned", stacklevel=3)
+            return None
+    return CudaDelivery(target, pin=target is None, copy=copy, copy_below=COPY_BELOW)
 
 
 def _memlock_limit() -> str:

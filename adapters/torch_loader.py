@@ -294,7 +294,7 @@ def make_torch_loader(
                     holder=f"torch loader pid {os.getpid()}")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
-    delivery = delivery_for(device, pin_memory, copy, COPY_BELOW)
+    delivery = delivery_for(device, pin_memory, copy)
     context = multiprocessing_context
     if isinstance(context, str):
         context = torch.multiprocessing.get_context(context)

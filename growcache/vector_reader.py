@@ -116,8 +116,16 @@ class _FixedFrames:
             return named.records if size == named.nbytes == named.records * self.frame else None
         return size // self.frame if size % self.frame == 0 else None
 
+    def record_crc(self, release_gil: bool) -> Callable[[Any], int]:
+        """The CRC32C of one record as :meth:`_Shard.read` (one buffer) or
+        :meth:`_Shard.read_into` (a list of buffers, :attr:`direct`) gives it; ``release_gil``:
+        let go of the GIL during every call."""
+        if self.direct:
+            return functools.partial(_crc_of, gil_release_mode=1 if release_gil else 0)
+        return _crc_releasing if release_gil else crc32c
+
     def check(self, constant: np.ndarray, footers: np.ndarray, records: list[Any],
-              verify: bool, release_gil: bool = True) -> tuple[int, str | None, np.ndarray]:
+              crc: Callable[[Any], int] | None) -> tuple[int, str | None, np.ndarray]:
         """Check consecutive frames by their constant bytes and CRCs.
 
         Args:
@@ -125,8 +133,7 @@ class _FixedFrames:
             footers: the stored masked CRCs.
             records: per frame, its record's bytes for the CRC: one buffer, or a list of
                 buffers when payloads were read in place (:attr:`direct`).
-            verify: check the CRCs.
-            release_gil: let go of the GIL during each CRC.
+            crc: :meth:`record_crc`'s function, to check the CRCs; ``None`` not to.
 
         Returns:
             ``(good, why, layout_ok)``: the first ``good`` frames may be used; ``why`` says
@@ -140,13 +147,8 @@ class _FixedFrames:
         why = None
         if not headers_ok.all():
             good, why = int(np.argmin(headers_ok)), "header"
-        if verify and good:
-            mode = 1 if release_gil else 0
-            if self.direct:
-                crcs = (_crc_of(pieces, mode) for pieces in records[:good])
-            else:
-                crcs = map(_crc_releasing if release_gil else crc32c, records[:good])
-            computed = np.fromiter(crcs, np.uint32, good)
+        if crc is not None and good:
+            computed = np.fromiter(map(crc, records[:good]), np.uint32, good)
             masked = ((computed >> np.uint32(15)) | (computed << np.uint32(17))) + _MASK_DELTA
             mismatch = masked != footers[:good]
             if mismatch.any():
@@ -502,6 +504,7 @@ class VectorReader(BatchReader):
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
         buffer = _Shard.buffer(self._fixed)
+        crc = self._fixed.record_crc(self.release_gil) if self.verify else None
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         corrupt: set[int] = set()
         for index in self._shard_order(share, corrupt):
@@ -510,7 +513,7 @@ class VectorReader(BatchReader):
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for item in self._read_shard(path, window, remaining, buffer):
+                for item in self._read_shard(path, window, remaining, buffer, crc):
                     if isinstance(item, int):
                         got += item
                         remaining -= item
@@ -522,11 +525,12 @@ class VectorReader(BatchReader):
         if window.entries:
             yield from window.close()
 
-    def _read_shard(self, path: str, window: _Window, remaining: int,
-                    buffer: tuple[np.ndarray, memoryview]) -> Iterator[int | Batch]:
-        """Place up to ``remaining`` records of one shard; yield the counts placed, and the
-        batches of every window that fills. Raises :class:`CorruptShardError` where the
-        record-by-record reader would, after placing the same records before it."""
+    def _read_shard(self, path: str, window: _Window, remaining: int, buffer: tuple[np.ndarray, memoryview],
+                    crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
+        """Place up to ``remaining`` records of one shard, checking CRCs with ``crc`` (``None``:
+        not); yield the counts placed, and the batches of every window that fills. Raises
+        :class:`CorruptShardError` where the record-by-record reader would, after placing the
+        same records before it."""
         fixed = self._fixed
         shard = _Shard.open(path, fixed, buffer)
         done = 0
@@ -541,11 +545,11 @@ class VectorReader(BatchReader):
                         # the next good record would draw the same permutation.
                         window.open()
                         constant, footers, records = shard.read_into(done, window.destinations(count))
-                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify, self.release_gil)
+                        good, why, layout_ok = fixed.check(constant, footers, records, crc)
                         window.placed_direct(good, layout_ok, shard, done)
                     else:
                         frames, constant, footers, records = shard.read(done, count)
-                        good, why, layout_ok = fixed.check(constant, footers, records, self.verify, self.release_gil)
+                        good, why, layout_ok = fixed.check(constant, footers, records, crc)
                         if good:
                             window.open()
                             window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record)
