@@ -1,5 +1,5 @@
 # `make test` and `make demo` work on a machine with nothing but Python: each builds .venv once,
-# then reuses it (the stamp is rebuilt only when pyproject.toml changes).
+# then reuses it (the stamp is rebuilt when pyproject.toml, setup.py or the C extension changes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +11,7 @@ CPU_FRAMEWORKS := torch==2.13.0 tensorflow-cpu==2.21.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py growcache/_frames.c Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24" "setuptools>=77" wheel
 	$(BIN)/python -m pip install -q $(CPU_FRAMEWORKS) "tfrecord>=1.14"

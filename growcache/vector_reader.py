@@ -50,7 +50,16 @@ from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
 from .shard import ShardInfo
 
-__all__ = ["VectorReader"]
+try:
+    from . import _frames
+except ImportError:  # built without a C compiler: numpy does the work
+    _frames = None
+
+__all__ = ["FUSED", "VectorReader"]
+
+#: Whether :class:`VectorReader` reads, checks and copies in one pass of C (the
+#: ``growcache._frames`` extension, on CPUs with a CRC32C instruction) rather than with numpy.
+FUSED = bool(_frames is not None and _frames.ACCELERATED)
 
 
 # Frames checked and placed per step: the CRC pass leaves a piece in the CPU cache for the
@@ -67,6 +76,13 @@ _DIRECT_BYTES = 64 << 10
 # numpy call per row costs nothing beside the copy); smaller ones by a fancy index.
 _ROW_COPY_BYTES = 64 << 10
 _IOV_MAX = 1024  # Linux's UIO_MAXIOV
+# The fused loop's scratch buffer: each read lands in half of a core's L2 cache, where the CRC
+# and the copy out find it.
+_SCRATCH_BYTES = 256 << 10
+# Frames per call of the fused loop: the Python work per call is then negligible per byte.
+_FUSED_PIECE_BYTES = 16 << 20
+# Why the fused loop stopped (growcache/_frames.c).
+_PLACED, _BAD_HEADER, _BAD_CRC, _OTHER_LAYOUT, _SHRANK = range(5)
 _MASK_DELTA = np.uint32(0xA282EAD8)
 _DATA_CRC = "data CRC32C mismatch (corrupt record payload)"
 
@@ -104,6 +120,21 @@ class _FixedFrames:
         # Read in place, a piece needs no buffer but its structure bytes: larger pieces cost
         # fewer numpy calls per record.
         self.piece = max(1, (_PIECE_BYTES * (4 if self.direct else 1)) // frame)
+        # The fused loop's plan: the expected frame, and the record's segments in order as
+        # (start, bytes, column of the destination table or -1 for constant bytes).
+        self.template = frame_bytes.tobytes()
+        segments, column, at = [], 0, HEADER_BYTES
+        for start, nbytes in self.payloads:
+            if nbytes:
+                if start > at:
+                    segments.append((at, start - at, -1))
+                segments.append((start, nbytes, column))
+                column, at = column + 1, start + nbytes
+        if frame - FOOTER_BYTES > at:
+            segments.append((at, frame - FOOTER_BYTES - at, -1))
+        self.segments = np.array(segments, np.int64).reshape(-1, 3).tobytes()
+        self.placed_columns = column
+        self.fused_piece = max(1, _FUSED_PIECE_BYTES // frame)
 
     def records_in(self, path: str, size: int) -> int | None:
         """Frames a file of ``size`` bytes holds if it is all fixed frames, or ``None``.
@@ -337,6 +368,10 @@ class _Window:
         # Per batch, each non-empty payload's rows as one flat buffer (records read in place).
         self.direct = reader._fixed.direct
         self.flats: list[list[tuple[memoryview, int]] | None] = []
+        # Per batch, the address of each non-empty payload's rows, and their row strides:
+        # where the fused loop writes (built when first needed, per window).
+        self.row_addresses: np.ndarray | None = None
+        self.row_strides: np.ndarray | None = None
 
     def open(self) -> None:
         """Start a window if none is open (once a record is known to land in it)."""
@@ -344,6 +379,7 @@ class _Window:
             return
         self.entries = [None] * self.batches
         self.flats = [None] * self.batches
+        self.row_addresses = None
         self.placed = 0
         if self.batches == 1:
             self.targets = None
@@ -393,6 +429,26 @@ class _Window:
                 entry = self.flats[number]
             out.append([flat[row * nbytes:(row + 1) * nbytes] for flat, nbytes in entry])
         return out
+
+    def addresses(self, count: int) -> np.ndarray:
+        """Per record of the next ``count``, the address of each non-empty payload's row:
+        the fused loop's destination table, ``(count, columns)`` ``uint64``."""
+        if self.row_addresses is None:
+            features = len(self.decoder.specs)  # rows() ends with int64_list lengths
+            tables = []
+            for number in range(self.batches):
+                rows = [row for row in self._rows_of(number)[:features] if row.size]
+                if any(row.strides[1:] != (1,) for row in rows):
+                    raise AssertionError("a payload's row is not contiguous")  # BatchDecoder never makes one
+                tables.append([row.__array_interface__["data"][0] for row in rows])
+                self.row_strides = np.array([row.strides[0] for row in rows], np.uint64)
+            self.row_addresses = np.array(tables, np.uint64).reshape(self.batches, -1)
+        first = self.placed
+        if self.targets is None:
+            numbers, at = np.zeros(count, np.intp), np.arange(first, first + count, dtype=np.uint64)
+        else:
+            numbers, at = np.divmod(self.targets[first:first + count], self.batch_size)
+        return self.row_addresses[numbers] + at.astype(np.uint64)[:, None] * self.row_strides
 
     def placed_direct(self, count: int, layout_ok: np.ndarray, shard: _Shard, start: int) -> None:
         """Count ``count`` records read in place by :meth:`_Shard.read_into` as placed."""
@@ -490,6 +546,9 @@ class VectorReader(BatchReader):
         shuffle_buffer: records shuffled together (see :class:`BatchReader`). Default: ``0``.
     """
 
+    #: Read with the fused C loop (:data:`FUSED`) rather than numpy; a test sets it per reader.
+    fused = FUSED
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fixed = _FixedFrames(self.codec)
@@ -504,6 +563,7 @@ class VectorReader(BatchReader):
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
         buffer = _Shard.buffer(self._fixed)
+        scratch = _aligned(_SCRATCH_BYTES)[1] if self.fused else None
         crc = self._fixed.record_crc(self.release_gil) if self.verify else None
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         corrupt: set[int] = set()
@@ -513,7 +573,7 @@ class VectorReader(BatchReader):
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for item in self._read_shard(path, window, remaining, buffer, crc):
+                for item in self._read_shard(path, window, remaining, buffer, scratch, crc):
                     if isinstance(item, int):
                         got += item
                         remaining -= item
@@ -525,8 +585,30 @@ class VectorReader(BatchReader):
         if window.entries:
             yield from window.close()
 
+    def _place(self, shard: _Shard, start: int, count: int, window: _Window, scratch: memoryview | None,
+               verify: bool) -> tuple[int, str | None]:
+        """Place frames ``[start, start + count)`` of ``shard`` with the fused loop: ``(good, why)``
+        as :meth:`_FixedFrames.check` gives them, the ``good`` records placed."""
+        fixed = self._fixed
+        good = 0
+        while good < count:
+            placed, stop = _frames.place(shard.fd, (start + good) * fixed.frame, count - good, fixed.template,
+                                         fixed.segments, fixed.placed_columns, window.addresses(count - good),
+                                         scratch, verify)
+            good += placed
+            window.placed += placed
+            if stop == _OTHER_LAYOUT:  # same length, another order of features: the codec's general path
+                frame = os.pread(shard.fd, fixed.frame, (start + good) * fixed.frame)
+                window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES])
+                good += 1
+            elif stop == _SHRANK:
+                raise CorruptShardError(shard.path, (start + good) * fixed.frame, "file shrank while it was read")
+            elif stop != _PLACED:
+                return good, "header" if stop == _BAD_HEADER else "crc"
+        return good, None
+
     def _read_shard(self, path: str, window: _Window, remaining: int, buffer: tuple[np.ndarray, memoryview],
-                    crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
+                    scratch: memoryview | None, crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
         """Place up to ``remaining`` records of one shard, checking CRCs with ``crc`` (``None``:
         not); yield the counts placed, and the batches of every window that fills. Raises
         :class:`CorruptShardError` where the record-by-record reader would, after placing the
@@ -538,8 +620,12 @@ class VectorReader(BatchReader):
             try:
                 while done < shard.records and remaining > 0:
                     room = window.room if window.entries else window.rows
-                    count = min(fixed.piece, shard.records - done, room, remaining)
-                    if fixed.direct:
+                    count = min(fixed.fused_piece if self.fused else fixed.piece, shard.records - done,
+                                room, remaining)
+                    if self.fused:
+                        window.open()  # before the first record is checked: see below
+                        good, why = self._place(shard, done, count, window, scratch, crc is not None)
+                    elif fixed.direct:
                         # The rows must be known before the read. Opening the window (drawing
                         # its permutation) before its first record is checked changes nothing:
                         # the next good record would draw the same permutation.

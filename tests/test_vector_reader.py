@@ -2,8 +2,9 @@
 
 Every test reads the same share with both readers and compares everything they produce:
 each batch's rows (byte for byte), the order of batches, ``Skipped`` notes, and the error
-that ends the read (type, file, offset, reason). Both read paths of the vectorized reader
-run (payloads copied out of a read buffer, and read straight into their rows), with heap
+that ends the read (type, file, offset, reason). Every read path of the vectorized reader
+runs (the fused C loop; with numpy, payloads copied out of a read buffer, and read straight
+into their rows), with heap
 batches, with a shared-memory slab, and with batches at descending addresses (the last
 two allow a window-wide view, which takes another copy path),
 and with pieces small enough that every boundary case (a piece ending inside a window, a
@@ -29,12 +30,12 @@ from growcache.records import frame_pieces
 from growcache.transport import BatchLayout, Slab
 from growcache.vector_reader import VectorReader
 
-MODES = ["copy", "direct"]
+MODES = ["fused", "copy", "direct"]
 
 
 @pytest.fixture(params=[*MODES, "copy-gil-held", "direct-gil-held"])
 def mode(request, monkeypatch):
-    """Which fast path the vectorized reader takes, with small pieces so that they split windows;
+    """Which path the vectorized reader takes, with small pieces so that they split windows;
     ``-gil-held``: its CRCs keep the GIL, as in a DataLoader worker."""
     mode, _, held = request.param.partition("-")
     _set_mode(monkeypatch, mode)
@@ -44,6 +45,13 @@ def mode(request, monkeypatch):
 
 
 def _set_mode(monkeypatch, mode: str, piece_bytes: int = 300) -> None:
+    """``fused``: the C loop, with reads of ``piece_bytes // 4`` bytes, so that they end inside
+    headers, payloads and footers; ``copy`` and ``direct``: the two numpy paths."""
+    if mode == "fused" and not vector_reader.FUSED:
+        pytest.skip("growcache._frames is not built here, or this CPU has no CRC32C instruction")
+    monkeypatch.setattr(VectorReader, "fused", mode == "fused")
+    monkeypatch.setattr(vector_reader, "_FUSED_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(vector_reader, "_SCRATCH_BYTES", max(1, piece_bytes // 4))
     monkeypatch.setattr(vector_reader, "_DIRECT_BYTES", 1 if mode == "direct" else 1 << 40)
     monkeypatch.setattr(vector_reader, "_PIECE_BYTES", piece_bytes)
 
@@ -295,6 +303,42 @@ def test_each_corruption_is_reported_at_the_same_file_and_offset(tmp_path, mode,
         assert reports == [(target.path, at * frame)]
         window = 8 if shuffle else 4  # rows that come out together
         assert rows_of(result) == (18 - 7 + at if on_corrupt == "skip" else (6 + at) // window * window)
+
+
+# Payloads long enough for every loop of the fused CRC-and-copy (three streams of 8 KiB and of
+# 256 bytes, then words and bytes), streamed past the cache (4 KiB or more) at rows that do not
+# start on a 16-byte boundary; records then span several reads of the scratch buffer.
+LARGE = Schema({"tag": ("uint8", (3,)), "big": ("uint8", (70001,)), "f": ("float32", (5003,)),
+                "odd": ("uint8", (1000,))})
+
+
+@pytest.mark.parametrize("scratch", [256 << 10, 10_000, 4097])
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_fused_loop_on_large_payloads_matches_record_reader(tmp_path, monkeypatch, scratch, allocator):
+    _set_mode(monkeypatch, "fused", piece_bytes=1 << 20)
+    monkeypatch.setattr(vector_reader, "_SCRATCH_BYTES", scratch)
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=LARGE)
+    _fill(cache, [5, 4, 6], seed=scratch)
+    for batch_size, shuffle in [(4, 0), (3, 6)]:
+        result, reader = compare(LARGE, cache_share(cache, seed=batch_size), allocator,
+                                 batch_size=batch_size, shuffle_buffer=shuffle)
+        assert rows_of(result) == 15 and reader.records_fast == 15
+
+
+@pytest.mark.parametrize("where", [100, 8300, 16_700, 24_600, 50_000, 70_000, 75_000, 90_000])
+def test_fused_loop_detects_a_flip_in_any_stream_of_a_large_payload(tmp_path, monkeypatch, where):
+    """A bit flipped in each of the three CRC streams, in the short-block and word tails, and
+    in the structure bytes between large payloads, is reported where the record reader reports it."""
+    _set_mode(monkeypatch, "fused", piece_bytes=1 << 20)
+    monkeypatch.setattr(vector_reader, "_SCRATCH_BYTES", 256 << 10)
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=LARGE)
+    _fill(cache, [3, 4])
+    frame = _frame_of(cache)
+    assert 90_000 < frame - 4
+    target = cache.list_shards()[1]
+    _flip(target.path, frame + where)
+    result, _ = compare(LARGE, cache_share(cache), batch_size=2, on_corrupt="raise")
+    assert result[-1][:3] == ("corrupt", target.path, frame), result[-1][:3]
 
 
 def _foreign_record(codec: ExampleCodec, sample: dict) -> bytes:
