@@ -14,6 +14,7 @@ window inside a piece) occurs.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import _fullfs
 import growcache.vector_reader as vector_reader
 from conftest import ID_SCHEMA, id_sample, write_shards
 from growcache import Cache, CorruptShardError, Schema
@@ -48,12 +50,27 @@ def _set_mode(monkeypatch, mode: str, piece_bytes: int = 300) -> None:
     """``fused``: the C loop, with reads of ``piece_bytes // 4`` bytes, so that they end inside
     headers, payloads and footers; ``copy`` and ``direct``: the two numpy paths."""
     if mode == "fused" and not vector_reader.FUSED:
-        pytest.skip("growcache._frames is not built here, or this CPU has no CRC32C instruction")
+        _fused_loop_unavailable()
     monkeypatch.setattr(VectorReader, "fused", mode == "fused")
     monkeypatch.setattr(vector_reader, "_FUSED_PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(vector_reader, "_SCRATCH_BYTES", max(1, piece_bytes // 4))
     monkeypatch.setattr(vector_reader, "_DIRECT_BYTES", 1 if mode == "direct" else 1 << 40)
     monkeypatch.setattr(vector_reader, "_PIECE_BYTES", piece_bytes)
+
+
+def _fused_loop_unavailable() -> None:
+    """Skip a test of the fused loop where it cannot run; fail where it should have been built."""
+    why = "growcache._frames is not built (no C compiler at install), or this CPU has no CRC32C instruction"
+    if _fullfs.in_ci() or (platform.machine() in ("x86_64", "AMD64") and shutil.which("cc")):
+        pytest.fail(f"{why}: the fused read loop must run here; reinstall with a C compiler on the PATH "
+                    "(pip install -e . builds growcache/_frames.c)", pytrace=False)
+    pytest.skip(why)
+
+
+def test_the_fused_loop_is_built_where_it_can_be():
+    if not vector_reader.FUSED:
+        _fused_loop_unavailable()
+    assert VectorReader.fused
 
 
 def share_of(paths, records, quota: int = -1, seed: int = 0, cycle=()) -> ReaderShare:
