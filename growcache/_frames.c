@@ -17,7 +17,8 @@
  * the copy fused into its loops. The GIL is released for the whole call.
  *
  * Semantics are the numpy path's (growcache/vector_reader.py), which stays the reference
- * and the fallback where this module is not built or the CPU lacks SSE 4.2.
+ * and the fallback where this module is not built, the CPU lacks SSE 4.2, or it is not
+ * x86-64 (there the module holds only ACCELERATED = 0).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +44,8 @@
 #define STREAM_BYTES 4096
 
 enum { PLACED = 0, BAD_HEADER = 1, BAD_CRC = 2, OTHER_LAYOUT = 3, SHRANK = 4 };
+
+#if GROWCACHE_X86 /* elsewhere the module only says ACCELERATED = 0, and numpy reads */
 
 /* ---- CRC32C stream shifts (Adler): tables to append LONG/SHORT zero bytes to a CRC ---- */
 
@@ -98,7 +101,6 @@ static inline uint32_t shift(uint32_t zeros[4][256], uint32_t crc) {
            zeros[3][crc >> 24];
 }
 
-#if GROWCACHE_X86
 
 /* Copy 16 bytes: past the cache when streaming (dst 16-byte aligned), else plainly. */
 #define STORE16(dst, src, stream)                                                   \
@@ -216,26 +218,6 @@ static int accelerated(void) {
     return __builtin_cpu_supports("sse4.2") != 0;
 }
 
-#else /* not x86-64: the module builds, and says it has no fast path */
-
-static uint32_t crc_copy(uint32_t crc, const unsigned char *src, unsigned char *dst, size_t len, int stream) {
-    (void)stream;
-    for (size_t i = 0; i < len; i++) {
-        crc ^= src[i];
-        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (POLY & (0u - (crc & 1)));
-    }
-    if (dst) memcpy(dst, src, len);
-    return crc;
-}
-
-static void copy_only(const unsigned char *src, unsigned char *dst, size_t len, int stream) {
-    (void)stream;
-    memcpy(dst, src, len);
-}
-
-static int accelerated(void) { return 0; }
-
-#endif
 
 static inline uint32_t mask_crc(uint32_t crc) {
     return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
@@ -299,7 +281,7 @@ static int segment(Source *src, size_t len, unsigned char *dst, const unsigned c
         if (verify) *crc = crc_copy(*crc, data, dst, n, stream);
         else if (dst) copy_only(data, dst, n, stream);
         if (!dst && memcmp(data, expected, n)) *differs = 1;
-        if (expected) expected += n;
+        expected += n;
         if (dst) dst += n;
         src->at += n;
         len -= n;
@@ -364,9 +346,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
         if (verify && mask_crc(crc ^ 0xffffffffu) != stored) { why = BAD_CRC; break; }
         if (differs) { why = OTHER_LAYOUT; break; }
     }
-#if GROWCACHE_X86
     _mm_sfence(); /* streamed rows are visible before the batch is handed on */
-#endif
     Py_END_ALLOW_THREADS
     if (why == SHRANK && src.error) {
         errno = src.error;
@@ -382,20 +362,10 @@ done:
     return result;
 }
 
-static PyObject *crc32c_of(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer data;
-    unsigned int value = 0;
-    if (!PyArg_ParseTuple(args, "y*|I", &data, &value)) return NULL;
-    uint32_t crc;
-    Py_BEGIN_ALLOW_THREADS
-    crc = crc_copy(value ^ 0xffffffffu, data.buf, NULL, (size_t)data.len, 0) ^ 0xffffffffu;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&data);
-    return PyLong_FromUnsignedLong(crc);
-}
+#endif /* GROWCACHE_X86 */
 
 static PyMethodDef methods[] = {
+#if GROWCACHE_X86
     {"place", place, METH_VARARGS,
      "place(fd, offset, count, template, segments, columns, rows, scratch, verify) -> (placed, why)\n\n"
      "Read `count` frames of `len(template)` bytes from `offset`, check them against `template`\n"
@@ -403,7 +373,7 @@ static PyMethodDef methods[] = {
      "payload segment to the address `rows[frame * columns + column]`. Stops at the first frame\n"
      "that is not placed; `why` says why: 0 all placed, 1 header differs, 2 CRC mismatch,\n"
      "3 constant bytes differ (another layout), 4 the file ended."},
-    {"crc32c", crc32c_of, METH_VARARGS, "crc32c(data, value=0) -> int: CRC32C, continuing `value`."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -412,12 +382,15 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__frames(void) {
+    int fast = 0;
+#if GROWCACHE_X86
     zeros_table(long_shift, LONG_BLOCK);
     zeros_table(short_shift, SHORT_BLOCK);
+    fast = accelerated();
+#endif
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddIntConstant(m, "ACCELERATED", accelerated()) < 0 ||
-        PyModule_AddIntConstant(m, "SEGMENT_BYTES", (long)sizeof(Segment)) < 0) {
+    if (PyModule_AddIntConstant(m, "ACCELERATED", fast) < 0) {
         Py_DECREF(m);
         return NULL;
     }

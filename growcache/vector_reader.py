@@ -92,6 +92,7 @@ _FUSED_PIECE_BYTES = 16 << 20
 _PLACED, _BAD_HEADER, _BAD_CRC, _OTHER_LAYOUT, _SHRANK = range(5)
 _MASK_DELTA = np.uint32(0xA282EAD8)
 _DATA_CRC = "data CRC32C mismatch (corrupt record payload)"
+_SHRANK_REASON = "file shrank while it was read"
 
 Batch = tuple[object, dict[str, np.ndarray], int]
 
@@ -219,7 +220,7 @@ def _preadv_exactly(fd: int, buffers: list[Any], offset: int, path: str) -> None
         chunk = buffers[index:index + _IOV_MAX]
         got = os.preadv(fd, chunk, offset)
         if not got:
-            raise CorruptShardError(path, offset, "file shrank while it was read")
+            raise CorruptShardError(path, offset, _SHRANK_REASON)
         offset += got
         for buffer in chunk:
             size = len(buffer)
@@ -448,7 +449,7 @@ class _Window:
                 if any(row.strides[1:] != (1,) for row in rows):
                     raise AssertionError("a payload's row is not contiguous")  # BatchDecoder never makes one
                 tables.append([row.__array_interface__["data"][0] for row in rows])
-                self.row_strides = np.array([row.strides[0] for row in rows], np.uint64)
+            self.row_strides = np.array([row.strides[0] for row in rows], np.uint64)  # the same in every batch
             self.row_addresses = np.array(tables, np.uint64).reshape(self.batches, -1)
         first = self.placed
         if self.targets is None:
@@ -569,8 +570,8 @@ class VectorReader(BatchReader):
         decoder = BatchDecoder(self.codec, self.window_batches)  # a window's staging rows in one block
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)
-        buffer = _Shard.buffer(self._fixed)
-        scratch = _aligned(_SCRATCH_BYTES)[1] if self.fused else None
+        # The fused loop reads through a small scratch buffer; the numpy paths a piece at a time.
+        buffer = _aligned(_SCRATCH_BYTES) if self.fused else _Shard.buffer(self._fixed)
         crc = self._fixed.record_crc(self.release_gil) if self.verify else None
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
         corrupt: set[int] = set()
@@ -580,7 +581,7 @@ class VectorReader(BatchReader):
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for item in self._read_shard(path, window, remaining, buffer, scratch, crc):
+                for item in self._read_shard(path, window, remaining, buffer, crc):
                     if isinstance(item, int):
                         got += item
                         remaining -= item
@@ -592,8 +593,7 @@ class VectorReader(BatchReader):
         if window.entries:
             yield from window.close()
 
-    def _place(self, shard: _Shard, start: int, count: int, window: _Window, scratch: memoryview | None,
-               verify: bool) -> tuple[int, str | None]:
+    def _place(self, shard: _Shard, start: int, count: int, window: _Window) -> tuple[int, str | None]:
         """Place frames ``[start, start + count)`` of ``shard`` with the fused loop: ``(good, why)``
         as :meth:`_FixedFrames.check` gives them, the ``good`` records placed."""
         fixed = self._fixed
@@ -601,7 +601,7 @@ class VectorReader(BatchReader):
         while good < count:
             placed, stop = _frames.place(shard.fd, (start + good) * fixed.frame, count - good, fixed.template,
                                          fixed.segments, fixed.placed_columns, window.addresses(count - good),
-                                         scratch, verify)
+                                         shard.view, self.verify)
             good += placed
             window.placed += placed
             if stop == _OTHER_LAYOUT:  # same length, another order of features: the codec's general path
@@ -609,29 +609,29 @@ class VectorReader(BatchReader):
                 window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES])
                 good += 1
             elif stop == _SHRANK:
-                raise CorruptShardError(shard.path, (start + good) * fixed.frame, "file shrank while it was read")
+                raise CorruptShardError(shard.path, (start + good) * fixed.frame, _SHRANK_REASON)
             elif stop != _PLACED:
                 return good, "header" if stop == _BAD_HEADER else "crc"
         return good, None
 
     def _read_shard(self, path: str, window: _Window, remaining: int, buffer: tuple[np.ndarray, memoryview],
-                    scratch: memoryview | None, crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
+                    crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
         """Place up to ``remaining`` records of one shard, checking CRCs with ``crc`` (``None``:
         not); yield the counts placed, and the batches of every window that fills. Raises
         :class:`CorruptShardError` where the record-by-record reader would, after placing the
         same records before it."""
         fixed = self._fixed
+        piece = fixed.fused_piece if self.fused else fixed.piece
         shard = _Shard.open(path, fixed, buffer)
         done = 0
         if shard is not None:
             try:
                 while done < shard.records and remaining > 0:
                     room = window.room if window.entries else window.rows
-                    count = min(fixed.fused_piece if self.fused else fixed.piece, shard.records - done,
-                                room, remaining)
+                    count = min(piece, shard.records - done, room, remaining)
                     if self.fused:
                         window.open()  # before the first record is checked: see below
-                        good, why = self._place(shard, done, count, window, scratch, crc is not None)
+                        good, why = self._place(shard, done, count, window)
                     elif fixed.direct:
                         # The rows must be known before the read. Opening the window (drawing
                         # its permutation) before its first record is checked changes nothing:
