@@ -19,7 +19,7 @@ reads a shard in pieces of about 4 MiB of frames (16 MiB when read in place) and
   buffers are the rows themselves: the kernel's copy out of the page cache is the only
   copy of their payload.
 
-Where ``growcache._frames`` is built and the CPU has a CRC32C instruction (:data:`FUSED`), one C
+Where ``growcache._frames`` is built and the CPU is an x86-64 with SSE 4.2 (:data:`FUSED`), one C
 call per piece does all of that instead: it reads the piece through a 256 KiB scratch buffer
 and, per frame, checks the constant bytes, computes the CRC32C while copying each payload to
 its row (streaming stores past the CPU cache), and checks the stored CRC, with the GIL
@@ -65,7 +65,7 @@ except ImportError:  # built without a C compiler: numpy does the work
 __all__ = ["FUSED", "VectorReader"]
 
 #: Whether :class:`VectorReader` reads, checks and copies in one pass of C (the
-#: ``growcache._frames`` extension, on CPUs with a CRC32C instruction) rather than with numpy.
+#: ``growcache._frames`` extension, on x86-64 CPUs with SSE 4.2) rather than with numpy.
 FUSED = bool(_frames is not None and _frames.ACCELERATED)
 
 

@@ -60,7 +60,7 @@ def _set_mode(monkeypatch, mode: str, piece_bytes: int = 300) -> None:
 
 def _fused_loop_unavailable() -> None:
     """Skip a test of the fused loop where it cannot run; fail where it should have been built."""
-    why = "growcache._frames is not built (no C compiler at install), or this CPU has no CRC32C instruction"
+    why = "growcache._frames is not built (no C compiler at install), or this CPU is not an x86-64 with SSE 4.2"
     if _fullfs.in_ci() or (platform.machine() in ("x86_64", "AMD64") and shutil.which("cc")):
         pytest.fail(f"{why}: the fused read loop must run here; reinstall with a C compiler on the PATH "
                     "(pip install -e . builds growcache/_frames.c)", pytrace=False)
