@@ -213,15 +213,17 @@ def _aligned(nbytes: int) -> tuple[np.ndarray, memoryview]:
     return np.frombuffer(memory, np.uint8)[:nbytes], memoryview(memory)[:nbytes]
 
 
-def _preadv_exactly(fd: int, buffers: list[Any], offset: int, path: str) -> None:
-    """Fill ``buffers`` from ``offset`` on, however the reads split."""
-    index = 0
+def _preadv(fd: int, buffers: list[Any], offset: int) -> int:
+    """Fill ``buffers`` from ``offset`` on, however the reads split; return the bytes read,
+    fewer than asked only where the file ends (it shrank since it was opened)."""
+    index = total = 0
     while index < len(buffers):
         chunk = buffers[index:index + _IOV_MAX]
         got = os.preadv(fd, chunk, offset)
         if not got:
-            raise CorruptShardError(path, offset, _SHRANK_REASON)
+            break
         offset += got
+        total += got
         for buffer in chunk:
             size = len(buffer)
             if got < size:  # a short read: go on from inside this buffer
@@ -229,6 +231,7 @@ def _preadv_exactly(fd: int, buffers: list[Any], offset: int, path: str) -> None
                 break
             got -= size
             index += 1
+    return total
 
 
 class _Shard:
@@ -241,6 +244,8 @@ class _Shard:
         self.records = records
         self.fd = fd
         self.buffer, self.view = buffer
+        #: where a read found the file ending before its last frame; ``None`` while it has not.
+        self.cut: int | None = None
 
     @staticmethod
     def buffer(fixed: _FixedFrames) -> tuple[np.ndarray, memoryview]:
@@ -272,11 +277,12 @@ class _Shard:
 
         Returns:
             ``(frames, constant, footers, records)``: the ``(count, frame)`` bytes, their
-            constant bytes, stored CRCs, and each record's bytes.
+            constant bytes, stored CRCs, and each record's bytes; fewer frames, and :attr:`cut`
+            set, where the file now ends before the last of them.
         """
         fixed = self.fixed
         frame, length = fixed.frame, fixed.record
-        _preadv_exactly(self.fd, [self.view[:count * frame]], start * frame, self.path)
+        count = self._whole_frames(start, _preadv(self.fd, [self.view[:count * frame]], start * frame), count)
         frames = self.buffer[:count * frame].reshape(count, frame)
         view = self.view
         records = [view[o:o + length] for o in range(HEADER_BYTES, count * frame, frame)]
@@ -289,7 +295,8 @@ class _Shard:
             rows: per frame, the destination of each non-empty payload.
 
         Returns:
-            ``(constant, footers, records)``, as :meth:`read` (without the frames).
+            ``(constant, footers, records)``, as :meth:`read` (without the frames; the rows of
+            frames past a :attr:`cut` hold whatever was read of them).
         """
         fixed = self.fixed
         scratch, view = fixed.scratch, self.view
@@ -308,10 +315,18 @@ class _Shard:
             pieces[0] = pieces[0][HEADER_BYTES:]  # the record's own bytes, for its CRC
             pieces[-1] = pieces[-1][:sizes[-1] - FOOTER_BYTES]
             records.append(pieces)
-        _preadv_exactly(self.fd, buffers, start * fixed.frame, self.path)
-        count = len(rows)
+        count = self._whole_frames(start, _preadv(self.fd, buffers, start * fixed.frame), len(rows))
         table = self.buffer[:count * scratch].reshape(count, scratch)
-        return table[:, :scratch - FOOTER_BYTES], table[:, scratch - FOOTER_BYTES:].view("<u4")[:, 0], records
+        return table[:, :scratch - FOOTER_BYTES], table[:, scratch - FOOTER_BYTES:].view("<u4")[:, 0], records[:count]
+
+    def _whole_frames(self, start: int, got: int, count: int) -> int:
+        """Of ``count`` frames from frame ``start``, those whole in the ``got`` bytes read;
+        where that is not all of them, the file ended inside: :attr:`cut` says where."""
+        frame = self.fixed.frame
+        if got < count * frame:
+            self.cut = start * frame + got
+            return got // frame
+        return count
 
 
 def _root(array: np.ndarray) -> np.ndarray:
@@ -608,8 +623,10 @@ class VectorReader(BatchReader):
                 frame = os.pread(shard.fd, fixed.frame, (start + good) * fixed.frame)
                 window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES])
                 good += 1
-            elif stop == _SHRANK:
-                raise CorruptShardError(shard.path, (start + good) * fixed.frame, _SHRANK_REASON)
+            elif stop == _SHRANK:  # the loop does not say where in the frame: the file's end does
+                at = (start + good) * fixed.frame
+                raise CorruptShardError(shard.path, min(max(os.fstat(shard.fd).st_size, at), at + fixed.frame),
+                                        _SHRANK_REASON)
             elif stop != _PLACED:
                 return good, "header" if stop == _BAD_HEADER else "crc"
         return good, None
@@ -658,6 +675,8 @@ class VectorReader(BatchReader):
                         raise CorruptShardError(path, done * fixed.frame, _DATA_CRC)
                     if why == "header":
                         break
+                    if shard.cut is not None:  # the records before it are placed, as one by one
+                        raise CorruptShardError(path, shard.cut, _SHRANK_REASON)
                 else:
                     return
             finally:

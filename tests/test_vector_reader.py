@@ -322,6 +322,36 @@ def test_each_corruption_is_reported_at_the_same_file_and_offset(tmp_path, mode,
         assert rows_of(result) == (18 - 7 + at if on_corrupt == "skip" else (6 + at) // window * window)
 
 
+# A reader that neither reports the cut nor steps past it would spin on the empty read: the
+# timeout turns that into a failure in seconds.
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("on_corrupt", ["raise", "skip"])
+def test_a_shard_that_shrinks_during_the_read_is_reported_where_it_now_ends(tmp_path, mode, on_corrupt):
+    # A file cut while a reader is inside it (a user's tool rewriting it in place): it passed
+    # the size check at open, so only the read itself can find the end. Not comparable with
+    # the record-by-record reader, whose buffered file may have read past the cut already.
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [12])
+    path = cache.list_shards()[0].path
+    cut = 9 * _frame_of(cache) + 30
+    reader = VectorReader(ID_SCHEMA, batch_size=2, on_corrupt=on_corrupt)
+    ids, reports = [], []
+    batches = reader.batches(cache_share(cache), lambda rows: (None, {n: _garbage((rows, *s.shape), s.dtype)
+                                                                      for n, s in ID_SCHEMA.items()}), lambda key: None)
+    try:
+        for item in batches:
+            if isinstance(item, Skipped):
+                reports.append((item.path, item.offset, item.reason))
+                continue
+            if not ids:
+                os.truncate(path, cut)
+            ids += item[1]["id"][:item[2]].tolist()
+    except CorruptShardError as exc:
+        reports.append((exc.path, exc.offset, exc.reason))
+    assert reports == [(path, cut, "file shrank while it was read")]
+    assert ids == list(range(9 if on_corrupt == "skip" else 8))  # every record before the cut, in order
+
+
 # Payloads long enough for every loop of the fused CRC-and-copy (three streams of 8 KiB and of
 # 256 bytes, then words and bytes), streamed past the cache (4 KiB or more) at rows that do not
 # start on a 16-byte boundary; records then span several reads of the scratch buffer.
