@@ -41,8 +41,8 @@ Figures: payload MB/s of unique records, records/s, ratio to the plain read, the
 process's CPU seconds per GB, peak RSS, time to the first batch; median of ``--repeats``
 epochs after one warm-up epoch, with min and max. Output: JSON, a markdown table, PNG plots;
 ``--update-docs`` writes them into ``docs/benchmarks.md`` and ``docs/img/``, unless a
-contender's median beats the limit's highest repeat (a measurement error: the run is refused,
-with the reason, and the command exits 1).
+contender's median beats the limit, the highest repeat of either plain read (a measurement
+error: the run is refused, with the reason, and the command exits 1).
 
 Usage::
 
@@ -126,9 +126,10 @@ def _workers(name: str) -> int | None:
     tail = name.rpartition("_")[2]
     return int(tail[:-1]) if tail.endswith("w") and tail[:-1].isdigit() else None
 
-# References: the plain reads. The limit is the faster of them (a loader with two workers
-# reads on two cores, which one reader does not; yet where one core fills the memory bandwidth,
-# two readers only contend); ratios ("x plain") are to the one-reader read, as the targets were set.
+# References: the plain reads. The limit is the fastest repeat of either (a loader with two
+# workers reads on two cores, which one reader does not; yet where one core fills the memory
+# bandwidth, two readers only contend); ratios ("x plain") are to the one-reader read's median,
+# as the targets were set.
 PLAIN, LIMITS = "plain_read", ("plain_read_cores", "plain_read")
 
 # (target name, record size) -> minimum ratio, or maximum CPU s/GB. Measured on warm-cache rows.
@@ -403,17 +404,22 @@ def figures_of(results: dict, sets: dict, names: list[str], cold: bool = False) 
 def limit_violations(results: dict) -> list[dict]:
     """Contenders that beat the limit by more than the noise between its repeats.
 
-    The limit is the faster of the plain reads (one reader per core, or one reader: on a
-    machine whose memory bandwidth one core already fills, two readers only contend). A
-    contender beats it by more than the noise when its median MB/s is above the limit's
-    highest repeat. No reader can deliver bytes faster than they can be read, so such a run
-    measured something else: a page cache warm for one and cold for the other, a load burst,
-    or a "limit" that does not use the cores the contender uses.
+    The limit is what the machine has shown it can read: the highest repeat of either plain
+    read (one reader per core, or one reader: on a machine whose memory bandwidth one core
+    already fills, two readers only contend, and on a noisy disk either may draw the fast
+    repeat). A contender beats it by more than the noise when its median MB/s is above that.
+    No reader can deliver bytes faster than they can be read, so such a run measured
+    something else: a page cache warm for one and cold for the other, a load burst, or a
+    "limit" that does not use the cores the contender uses.
+
+    The highest repeat of *either* reference, rather than of the one with the faster median,
+    is the fairer bar on a disk whose cold reads vary threefold between repeats: a repeat the
+    plain read once achieved is a speed the machine can read at.
     """
     found = []
     for cache, table in (("warm", results.get("figures", {})), ("cold", results.get("figures_cold", {}))):
         for label, per in table.items():
-            limit = max((n for n in LIMITS if n in per), key=lambda n: per[n]["MBps"]["median"], default=None)
+            limit = max((n for n in LIMITS if n in per), key=lambda n: per[n]["MBps"]["max"], default=None)
             if limit is None:
                 continue
             ceiling = per[limit]["MBps"]["max"]
@@ -433,7 +439,8 @@ def _violation_text(v: dict) -> str:
         return "?" if r is None else f"{r['min']:.0%}-{r['max']:.0%}"
 
     return (f"{v['contender']} ({v['records']}, {v['cache']} cache) delivered {v['MBps']:.0f} MB/s (median), above "
-            f"every repeat of {v['limit']} (highest {v['limit_max']:.0f}, median {v['limit_median']:.0f} MB/s); "
+            f"every repeat of either plain read (highest {v['limit_max']:.0f} MB/s, by {v['limit']}, whose median "
+            f"is {v['limit_median']:.0f}); "
             f"page cache residency before its epochs {res(v['resident'])}, before the limit's {res(v['limit_resident'])}")
 
 
@@ -741,7 +748,7 @@ def markdown(results: dict) -> str:
     violations = results.get("limit_violations", [])
     lines += ["### Limit check", "",
               ("**Failed**: " + "; ".join(_violation_text(v) for v in violations) + ".") if violations else
-              "Passed: no contender's median beats the highest repeat of the limit (the faster of "
+              "Passed: no contender's median beats the limit (the highest repeat of either of "
               f"{' and '.join(LIMITS)}), warm or cold.",
               "", "### Targets", "", targets_table(results["targets"]), ""]
     if results.get("growth"):

@@ -136,7 +136,8 @@ def test_a_run_that_beats_the_limit_is_not_published(quick, tmp_path):
     clean = copy.deepcopy(results)
     for cache in ("figures", "figures_cold"):
         for per in clean[cache].values():
-            per["plain_read"]["MBps"]["median"] = per["plain_read_cores"]["MBps"]["median"] / 2  # cores: the limit
+            for stat in ("median", "max"):  # cores: the limit
+                per["plain_read"]["MBps"][stat] = per["plain_read_cores"]["MBps"][stat] / 2
             top = per["plain_read_cores"]["MBps"]["max"]
             for name, fig in per.items():
                 if not name.startswith("plain_read"):
@@ -148,6 +149,14 @@ def test_a_run_that_beats_the_limit_is_not_published(quick, tmp_path):
     (violation,) = bench.limit_violations(broken)
     assert violation["contender"] == "growcache_torch_2w" and violation["limit"] == "plain_read_cores"
     assert violation["cache"] == "warm" and violation["records"] == "16KiB"
+    # The bar is the fastest repeat of either plain read, whichever has the faster median: one
+    # reader that once read faster than the contender clears it (a noisy disk's fast repeat).
+    lucky = copy.deepcopy(broken)
+    lucky["figures"]["16KiB"]["plain_read"]["MBps"]["max"] = per["growcache_torch_2w"]["MBps"]["median"] * 1.01
+    assert bench.limit_violations(lucky) == []
+    lucky["figures"]["16KiB"]["plain_read"]["MBps"]["max"] = per["plain_read_cores"]["MBps"]["max"] * 1.005
+    (violation,) = bench.limit_violations(lucky)
+    assert violation["limit"] == "plain_read" and violation["limit_max"] == per["plain_read_cores"]["MBps"]["max"] * 1.005
     broken["limit_violations"] = [violation]
     assert bench.publish(broken, str(docs)) is False
     assert (docs / "benchmarks.md").read_text() == "# Benchmarks\n" and not (docs / "img").exists()
