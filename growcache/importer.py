@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._retry import RetryPolicy
 from ._size import parse_size
+from ._vectored_io import IOV_MAX, write_all
 from .errors import CompressedFileError, CorruptShardError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker, scan_example
 from .manifest import _unlink_quiet
@@ -62,7 +63,6 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 8 << 20
 _LENGTH_AND_CRC = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
-_IOV_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -307,21 +307,12 @@ class _TempShard:
             self._pending.append(memoryview(buffer)[start:end])
             self._pending_bytes += end - start
             self._run = None
-            if len(self._pending) >= _IOV_MAX:
+            if len(self._pending) >= IOV_MAX:
                 self.flush()
 
     def flush(self) -> None:
         self._close_run()
-        buffers = self._pending
-        while buffers:
-            written = os.writev(self.fd, buffers[:_IOV_MAX])
-            while written:  # drop what was written, keep the rest of a short write
-                if written >= buffers[0].nbytes:
-                    written -= buffers[0].nbytes
-                    buffers = buffers[1:]
-                else:
-                    buffers = [buffers[0][written:], *buffers[1:]]
-                    written = 0
+        write_all(self.fd, self._pending, self._pending_bytes)
         self._pending, self._pending_bytes = [], 0
 
     def finish(self, last: bool = False) -> CopiedShard:

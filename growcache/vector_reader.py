@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ._vectored_io import pread_into
 from .batching import Allocate, BatchReader, ReaderShare, Skipped
 from .errors import CorruptShardError
 from .example import BatchDecoder, ExampleCodec
@@ -82,7 +83,6 @@ _DIRECT_BYTES = 64 << 10
 # Features at least this large are copied row by row when no window-wide view exists (a
 # numpy call per row costs nothing beside the copy); smaller ones by a fancy index.
 _ROW_COPY_BYTES = 64 << 10
-_IOV_MAX = 1024  # Linux's UIO_MAXIOV
 # The fused loop's scratch buffer: each read lands in half of a core's L2 cache, where the CRC
 # and the copy out find it.
 _SCRATCH_BYTES = 256 << 10
@@ -213,27 +213,6 @@ def _aligned(nbytes: int) -> tuple[np.ndarray, memoryview]:
     return np.frombuffer(memory, np.uint8)[:nbytes], memoryview(memory)[:nbytes]
 
 
-def _preadv(fd: int, buffers: list[Any], offset: int) -> int:
-    """Fill ``buffers`` from ``offset`` on, however the reads split; return the bytes read,
-    fewer than asked only where the file ends (it shrank since it was opened)."""
-    index = total = 0
-    while index < len(buffers):
-        chunk = buffers[index:index + _IOV_MAX]
-        got = os.preadv(fd, chunk, offset)
-        if not got:
-            break
-        offset += got
-        total += got
-        for buffer in chunk:
-            size = len(buffer)
-            if got < size:  # a short read: go on from inside this buffer
-                buffers[index] = buffer[got:]
-                break
-            got -= size
-            index += 1
-    return total
-
-
 class _Shard:
     """An open shard of fixed frames, read a piece at a time; :meth:`open` says whether it is one."""
 
@@ -282,7 +261,8 @@ class _Shard:
         """
         fixed = self.fixed
         frame, length = fixed.frame, fixed.record
-        count = self._whole_frames(start, _preadv(self.fd, [self.view[:count * frame]], start * frame), count)
+        got = pread_into(self.fd, [self.view[:count * frame]], start * frame, count * frame)
+        count = self._whole_frames(start, got, count)
         frames = self.buffer[:count * frame].reshape(count, frame)
         view = self.view
         records = [view[o:o + length] for o in range(HEADER_BYTES, count * frame, frame)]
@@ -315,7 +295,8 @@ class _Shard:
             pieces[0] = pieces[0][HEADER_BYTES:]  # the record's own bytes, for its CRC
             pieces[-1] = pieces[-1][:sizes[-1] - FOOTER_BYTES]
             records.append(pieces)
-        count = self._whole_frames(start, _preadv(self.fd, buffers, start * fixed.frame), len(rows))
+        got = pread_into(self.fd, buffers, start * fixed.frame, len(rows) * fixed.frame)
+        count = self._whole_frames(start, got, len(rows))
         table = self.buffer[:count * scratch].reshape(count, scratch)
         return table[:, :scratch - FOOTER_BYTES], table[:, scratch - FOOTER_BYTES:].view("<u4")[:, 0], records[:count]
 

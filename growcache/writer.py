@@ -9,6 +9,7 @@ from collections.abc import Callable, Container, Mapping
 from typing import Any, Protocol
 
 from . import _proc
+from ._vectored_io import write_all
 from .errors import CacheFullError, SchemaError
 from .example import ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header, frame_pieces
@@ -26,7 +27,6 @@ logger = logging.getLogger(__name__)
 # 16 KiB record, a fraction of the syscall it saves.
 _DIRECT_FRAME_BYTES = 256 << 10
 _STAGE_BYTES = _DIRECT_FRAME_BYTES  # so every record that is staged fits
-_IOV_MAX = 1024  # Linux's UIO_MAXIOV; POSIX guarantees at least 16, but no platform we run on has fewer
 
 
 def temp_shard_name(token: str) -> str:
@@ -247,15 +247,7 @@ class ShardWriter:
 
     def _write_all(self, buffers: list[Any], nbytes: int) -> None:
         try:
-            while nbytes:
-                written = os.writev(self._fd, buffers[:_IOV_MAX])  # type: ignore[arg-type]
-                nbytes -= written
-                if nbytes:  # a short write (rare for regular files) or more than _IOV_MAX buffers
-                    done = 0
-                    while written and written >= memoryview(buffers[done]).nbytes:
-                        written -= memoryview(buffers[done]).nbytes
-                        done += 1
-                    buffers = [memoryview(buffers[done]).cast("B")[written:], *buffers[done + 1:]]
+            write_all(self._fd, buffers, nbytes)  # type: ignore[arg-type]
         except OSError as exc:
             self.abort()
             raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
