@@ -360,7 +360,8 @@ class Epochs:
 
     Attributes:
         epoch: the epoch the next :meth:`start` reads.
-        skipped: every :class:`~growcache.batching.Skipped` shard, oldest first.
+        skipped: every :class:`~growcache.batching.Skipped` shard, oldest first: one note per
+            shard and epoch, however many readers passed over it.
         reader: the :class:`~growcache.readers.ReaderSpec` every reader of these epochs uses.
         latest: the :class:`Epoch` the newest :meth:`start` began or joined; ``None`` before
             the first. It stays set after the epoch ends (its ``shards`` say what it read).
@@ -394,6 +395,8 @@ class Epochs:
         self.epoch = 0
         self.skipped: list[Skipped] = []
         self.latest: Epoch | None = None
+        self._noted_epoch: int | None = None  # the epoch whose notes _noted holds
+        self._noted: set[tuple[str, int, str]] = set()
         self._world = world
         self._all_gather = all_gather
         self._holder = holder
@@ -610,7 +613,8 @@ class Epochs:
                 raise
             info = ShardInfo.from_path(path)
             note = Skipped(exc.path, exc.offset, exc.reason, info.records if info else 0)
-            epochs.note_skipped(note)
+            if not epochs.note_skipped(note):
+                return False
             logger.warning("skipping corrupt shard %s (byte offset %d: %s); %d skipped so far", exc.path, exc.offset,
                            exc.reason, len(epochs.skipped))
             return False
@@ -645,9 +649,20 @@ class Epochs:
         if not hold:
             epoch.end()
 
-    def note_skipped(self, note: Skipped) -> None:
-        """Add a reader's :class:`~growcache.batching.Skipped` note to :attr:`skipped`."""
-        self.skipped.append(note)
+    def note_skipped(self, note: Skipped) -> bool:
+        """Add a reader's :class:`~growcache.batching.Skipped` note to :attr:`skipped`, once per
+        epoch and shard: where a rank's readers top up, several of them may pass over the same
+        corrupt shard, and the user is owed one note for it. Returns whether it was added."""
+        number = self.latest.number if self.latest is not None else None
+        key = (note.path, note.offset, note.reason)
+        with self._lock:
+            if number != self._noted_epoch:
+                self._noted_epoch, self._noted = number, set()
+            if key in self._noted:
+                return False
+            self._noted.add(key)
+            self.skipped.append(note)
+            return True
 
     def _take_snapshot(self) -> Snapshot:
         wait = float(self.options.wait_for_shards)

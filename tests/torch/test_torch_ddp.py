@@ -37,7 +37,7 @@ def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loaders: dic
         loader = make_loader()
         epochs = []
         for _ in range(2):
-            ids, batches = [], 0
+            ids, batches, noted = [], 0, len(loader.skipped)
             for batch in loader:
                 loss = model(batch["x"].reshape(len(batch["x"]), -1)).pow(2).mean()
                 opt.zero_grad()
@@ -45,7 +45,8 @@ def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loaders: dic
                 opt.step()
                 ids += batch["id"].tolist()
                 batches += 1
-            epochs.append({"ids": ids, "batches": batches})
+            epochs.append({"ids": ids, "batches": batches,
+                           "skipped": [[n.path, n.offset, n.reason] for n in loader.skipped[noted:]]})
         results[name] = epochs
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -72,7 +73,19 @@ def _rank(rank: int, world: int, cache_dir: str, damaged_dir: str, port: int, ou
     # (2 batches of 6 records per worker: 4 per rank).
     variants["skip"] = functools.partial(growcache.make_torch_loader, damaged_dir, 4, num_workers=2,
                                          on_corrupt="skip")
+    # Three shards of four corrupt: a rank whose own shards are all corrupt tops up from the
+    # whole snapshot, so both of its workers may pass over the same corrupt shard.
+    variants["skip_most"] = functools.partial(growcache.make_torch_loader, damaged_dir + "-most", 4, num_workers=2,
+                                              on_corrupt="skip")
     _train_ddp(rank, world, port, out_dir, variants)
+
+
+def _flip_a_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:  # a payload byte of the first record: the whole shard is lost
+        f.seek(os.path.getsize(path) // 12)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.mark.timeout(180)
@@ -85,17 +98,25 @@ def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path):
     damaged = Cache(tmp_path / "damaged", capacity="1GB", schema=ID_SCHEMA)
     damaged_ids = write_shards(damaged, [6, 6, 6, 6], first_id=100)
     bad = damaged.list_shards()[0].path
-    with open(bad, "r+b") as f:  # a payload byte of the first record: the whole shard is lost
-        f.seek(os.path.getsize(bad) // 12)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_a_payload_byte(bad)
+    most = Cache(f"{damaged.path}-most", capacity="1GB", schema=ID_SCHEMA)
+    most_ids = write_shards(most, [6, 6, 6, 6], first_id=200)
+    most_bad = [shard.path for shard in most.list_shards()[:3]]
+    for path in most_bad:
+        _flip_a_payload_byte(path)
     mp.spawn(_rank, args=(2, id_cache.path, damaged.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for epoch in range(2):
         a, b = (results[r]["skip"][epoch] for r in range(2))
         assert a["batches"] == b["batches"] == 4, f"a worker's only shard was corrupt: {a['batches']}, {b['batches']}"
         assert not set(a["ids"]) & set(b["ids"]) and set(a["ids"]) | set(b["ids"]) <= set(damaged_ids[6:])
+        assert [note[0] for note in a["skipped"] + b["skipped"]] == [bad]  # one worker of one rank met it
+        runs = [results[r]["skip_most"][epoch] for r in range(2)]
+        assert runs[0]["batches"] == runs[1]["batches"] > 0
+        assert set(runs[0]["ids"]) | set(runs[1]["ids"]) <= set(most_ids[18:])  # only the intact shard's
+        for run in runs:  # each corrupt shard a rank passed over is noted once per epoch, however many workers met it
+            assert len({tuple(note) for note in run["skipped"]}) == len(run["skipped"]), run["skipped"]
+        assert {note[0] for run in runs for note in run["skipped"]} == set(most_bad)
     for drop_last in (False, True):
         for epoch in range(2):
             a, b = (results[r][str(drop_last)][epoch] for r in range(2))
