@@ -182,9 +182,16 @@ class BatchLayout:
         out = {}
         for name, dtype, shape in self.features:
             start = self.offsets[name]
-            count = records * dtype.itemsize * math.prod(shape)  # np.prod costs 10x on a tuple, per batch
-            out[name] = buffer[start:start + count].view(dtype).reshape((records, *shape))
+            out[name] = buffer[start:start + _nbytes(dtype, shape, records)].view(dtype).reshape((records, *shape))
         return out
+
+    def small(self, records: int, at_most: int) -> set[str]:
+        """The features whose first ``records`` rows hold at most ``at_most`` bytes."""
+        return {name for name, dtype, shape in self.features if _nbytes(dtype, shape, records) <= at_most}
+
+
+def _nbytes(dtype: np.dtype, shape: tuple[int, ...], records: int) -> int:
+    return records * dtype.itemsize * math.prod(shape)  # np.prod costs 10x on a tuple, per batch
 
 
 class SlotHandle(NamedTuple):
@@ -382,18 +389,19 @@ class Slab:
                 f"slab {self.index} slot {handle.slot} no longer holds batch {handle.token:#x}: "
                 "a batch handle was opened twice or after its epoch ended"
             )
-        views = self.layout.arrays(self.slot_bytes(handle.slot), handle.records)
-        small = {k for k, v in views.items() if copy or v.nbytes <= copy_below}
-        out = {k: views[k].copy() for k in small}
-        del views
-        if len(small) == len(self.layout.features):
+        layout = self.layout
+        small = {name for name, _, _ in layout.features} if copy else layout.small(handle.records, copy_below)
+        if len(small) == len(layout.features):  # all copied: the slot is free at once
+            views = layout.arrays(self.slot_bytes(handle.slot), handle.records)
+            out = {k: v.copy() for k, v in views.items()}
+            del views
             self._release(handle.slot, handle.token)
             return out
-        start = self.header_nbytes + handle.slot * self.layout.slot_nbytes
+        start = self.header_nbytes + handle.slot * layout.slot_nbytes
         self._live[handle.slot] = handle.token
-        lease = _SlotLease(self, handle.slot, handle.token, self._address + start, self.layout.slot_nbytes)
-        shared = self.layout.arrays(np.asarray(lease), handle.records)
-        return {k: out[k] if k in small else shared[k] for k in shared}
+        lease = _SlotLease(self, handle.slot, handle.token, self._address + start, layout.slot_nbytes)
+        shared = layout.arrays(np.asarray(lease), handle.records)
+        return {k: v.copy() if k in small else v for k, v in shared.items()}
 
     def held_tokens(self) -> list[tuple[int, int]]:
         """``(slot, token)`` of the batches this consumer still holds views of."""
