@@ -1,8 +1,8 @@
 """Vectored reads and writes that finish however the kernel splits them.
 
-``os.readv``/``os.writev`` take at most ``IOV_MAX`` buffers per call and may return short (a
-signal, a pipe, a file that ended): each caller would otherwise loop over the remainder its
-own way. One owner here keeps the resume-inside-a-buffer arithmetic in one place.
+``os.preadv``/``os.writev`` take at most ``IOV_MAX`` buffers per call and may return short (a
+signal, a file that ended): each caller would otherwise loop over the remainder its own way.
+One owner here keeps the resume-inside-a-buffer arithmetic in one place.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ def _bytes(buffer: Any) -> memoryview:
 
 
 def _rest(buffers: Sequence[Any], done: int) -> list[memoryview]:
-    """What is left of ``buffers`` after their first ``done`` bytes."""
+    """What is left of ``buffers`` after their first ``done`` bytes, from the first buffer
+    with a byte left (empty buffers before it are dropped, so a call that moved nothing
+    because its buffers were all empty still makes progress)."""
     rest = [_bytes(b) for b in buffers]
     index = 0
-    while done and done >= rest[index].nbytes:
+    while index < len(rest) and done >= rest[index].nbytes:
         done -= rest[index].nbytes
         index += 1
     rest = rest[index:]
@@ -49,8 +51,8 @@ def pread_into(fd: int, buffers: Sequence[Any], offset: int, nbytes: int) -> int
     total = 0
     while total < nbytes:
         got = os.preadv(fd, buffers[:IOV_MAX], offset + total)
-        if not got:
-            break
+        if not got and any(_bytes(b).nbytes for b in buffers[:IOV_MAX]):
+            break  # the end of the file
         total += got
         if total < nbytes:
             buffers = _rest(buffers, got)

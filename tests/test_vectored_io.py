@@ -80,3 +80,25 @@ def test_a_read_starts_at_its_offset(tmp_path):
     finally:
         os.close(fd)
     assert bytes(first + second) == bytes(range(40, 47))
+
+
+@pytest.mark.timeout(30)  # a loop that takes an empty call for no progress spins
+def test_more_empty_buffers_than_one_call_takes_are_stepped_over(tmp_path):
+    # A call over only empty buffers moves nothing; that is neither the end of the file nor a
+    # write to retry forever (a schema of many zero-size features makes such runs).
+    pieces = [np.empty(0, np.uint8)] * (IOV_MAX + 7) + _pieces([5, 9])
+    nbytes = sum(p.nbytes for p in pieces)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        write_all(fd, pieces, nbytes)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == _joined(pieces)
+    targets = [np.empty_like(p) for p in pieces]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pread_into(fd, targets, 0, nbytes) == nbytes
+    finally:
+        os.close(fd)
+    assert _joined(targets) == _joined(pieces)
