@@ -24,18 +24,8 @@ def _joined(buffers: list) -> bytes:
     return b"".join(memoryview(b).cast("B").tobytes() for b in buffers)
 
 
-@settings(max_examples=200, deadline=None)
-@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=8).filter(sum), data=st.data())
-def test_what_is_left_after_a_short_transfer_is_exactly_the_untransferred_bytes(sizes, data):
-    # Transfers that end inside a buffer, on a boundary, or before empty buffers.
-    buffers = [bytes(range(7 * i, 7 * i + n)) for i, n in enumerate(sizes)]
-    done = data.draw(st.integers(1, sum(sizes) - 1)) if sum(sizes) > 1 else 0
-    rest = _rest(buffers, done)
-    assert b"".join(bytes(r) for r in rest) == b"".join(buffers)[done:]
-
-
-def test_more_buffers_than_one_call_takes_are_written_and_read_back_in_order(tmp_path):
-    pieces = _pieces([3 + i % 17 for i in range(2 * IOV_MAX + 5)])
+def _written_and_read_back(tmp_path, pieces: list[np.ndarray]) -> list[np.ndarray]:
+    """Write ``pieces`` to a file with write_all, check its bytes, and read them back with pread_into."""
     nbytes = sum(p.nbytes for p in pieces)
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
@@ -50,7 +40,22 @@ def test_more_buffers_than_one_call_takes_are_written_and_read_back_in_order(tmp
         assert pread_into(fd, targets, 0, nbytes) == nbytes
     finally:
         os.close(fd)
-    for piece, target in zip(pieces, targets):
+    return targets
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=8).filter(sum), data=st.data())
+def test_what_is_left_after_a_short_transfer_is_exactly_the_untransferred_bytes(sizes, data):
+    # Transfers that end inside a buffer, on a boundary, or before empty buffers.
+    buffers = [bytes(range(7 * i, 7 * i + n)) for i, n in enumerate(sizes)]
+    done = data.draw(st.integers(1, sum(sizes) - 1)) if sum(sizes) > 1 else 0
+    rest = _rest(buffers, done)
+    assert b"".join(bytes(r) for r in rest) == b"".join(buffers)[done:]
+
+
+def test_more_buffers_than_one_call_takes_are_written_and_read_back_in_order(tmp_path):
+    pieces = _pieces([3 + i % 17 for i in range(2 * IOV_MAX + 5)])
+    for piece, target in zip(pieces, _written_and_read_back(tmp_path, pieces)):
         np.testing.assert_array_equal(piece, target)
 
 
@@ -87,18 +92,4 @@ def test_more_empty_buffers_than_one_call_takes_are_stepped_over(tmp_path):
     # A call over only empty buffers moves nothing; that is neither the end of the file nor a
     # write to retry forever (a schema of many zero-size features makes such runs).
     pieces = [np.empty(0, np.uint8)] * (IOV_MAX + 7) + _pieces([5, 9])
-    nbytes = sum(p.nbytes for p in pieces)
-    path = tmp_path / "f"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        write_all(fd, pieces, nbytes)
-    finally:
-        os.close(fd)
-    assert path.read_bytes() == _joined(pieces)
-    targets = [np.empty_like(p) for p in pieces]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert pread_into(fd, targets, 0, nbytes) == nbytes
-    finally:
-        os.close(fd)
-    assert _joined(targets) == _joined(pieces)
+    assert _joined(_written_and_read_back(tmp_path, pieces)) == _joined(pieces)
