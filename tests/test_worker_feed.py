@@ -13,8 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ID_SCHEMA, named_semaphores
-from growcache import worker_feed
+from conftest import ID_SCHEMA, named_semaphores, write_shards
+from growcache import Cache, worker_feed
+from growcache.epoch import EpochOptions, Epochs
 from growcache.batching import ReaderShare
 from growcache.readers import ReaderSpec
 from growcache.worker_feed import EpochMessage, WorkerFeed
@@ -54,3 +55,22 @@ def test_a_plan_larger_than_a_pipe_holds_never_blocks_the_trainer():
     message = feed._receive(0, 3)
     assert message.generation == 3 and np.array_equal(message.share.shard_paths(), paths[::2])
     feed.close()
+
+
+def test_an_abandoned_epoch_keeps_its_shards_until_the_readers_are_reset(tmp_path):
+    # Persistent readers read on in an abandoned epoch until the next epoch's reset reaches
+    # them; its lease must last until then, or eviction could take shards they still read.
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [4, 4])
+    epochs = Epochs(cache, EpochOptions(batch_size=4), readers=1)
+    feed = WorkerFeed(multiprocessing.get_context("fork"), 1)
+    try:
+        abandoned, _ = feed.start_epoch(epochs, lambda: None, slots=4, start_method="fork")
+        open_at_reset = []
+        current, _ = feed.start_epoch(epochs, lambda: open_at_reset.extend(epochs.open_epochs()), slots=4,
+                                      start_method="fork")
+        assert abandoned in open_at_reset and current in open_at_reset
+        assert epochs.open_epochs() == [current]  # ended once the readers were reset
+    finally:
+        epochs.end_all()
+        feed.close()
