@@ -359,7 +359,7 @@ LARGE = Schema({"tag": ("uint8", (3,)), "big": ("uint8", (70001,)), "f": ("float
                 "odd": ("uint8", (1000,))})
 
 
-@pytest.mark.parametrize("scratch", [256 << 10, 10_000, 4097])
+@pytest.mark.parametrize("scratch", [vector_reader._SCRATCH_BYTES, 256 << 10, 10_000, 4097])
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_fused_loop_on_large_payloads_matches_record_reader(tmp_path, monkeypatch, scratch, allocator):
     _set_mode(monkeypatch, "fused", piece_bytes=1 << 20)
