@@ -56,7 +56,7 @@ class RetryPolicy:
 
     * ``deadline`` bounds a failing call: no retry starts once it would begin later than
       ``deadline`` seconds after the first try. The store client's own retries (botocore's,
-      s3fs's) are turned off, so they do not multiply with these.
+      s3fs's, gcsfs's) are turned off, so they do not multiply with these.
     * ``stall_timeout`` bounds a read that gets no bytes: a connection that is not
       accepted, or a response that sends nothing, for this many seconds fails as a
       transient error (and is retried under the deadline). It is set as the socket

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -126,6 +127,8 @@ class StoreSource(Source):
                 )) from exc
             if protocol in _S3 and isinstance(getattr(fs, "retries", None), int):
                 fs.retries = 1  # s3fs retries each request 5 times on its own; RetryPolicy alone retries
+            if protocol in ("gs", "gcs"):
+                _without_gcsfs_retries(fs)
             self._fs, self._fs_pid = fs, os.getpid()
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
             self._protocol = protocol
@@ -161,7 +164,8 @@ class StoreSource(Source):
                 stalled = (f" The store sent no bytes for {self.retry.stall_timeout:g} s (stall_timeout)."
                            if is_stall(exc) else "")
                 raise TransientSourceError(
-                    f"{what} {url} kept failing after {attempts} attempts in {time.monotonic() - start:.1f} s: "
+                    f"{what} {url} kept failing after {attempts} attempt{'s' if attempts != 1 else ''} in "
+                    f"{time.monotonic() - start:.1f} s: "
                     f"{detail}.{stalled} The store is unreachable, silent, throttling or failing: check the "
                     "endpoint and network, or allow more time with retry=RetryPolicy(attempts=..., deadline=...) "
                     "(growcache sample: --retries, --retry-deadline)."
@@ -214,6 +218,20 @@ class StoreSource(Source):
 
 
 _S3 = frozenset({"s3", "s3a"})
+
+
+def _without_gcsfs_retries(fs: Any) -> None:
+    """Let :class:`RetryPolicy` alone retry this gcsfs instance's requests.
+
+    gcsfs wraps its request method in a retry loop fixed when the class is defined: 6 tries
+    with backoff up to 32 s, and a logged traceback when they run out. A refused endpoint then
+    took 34 s per growcache attempt, past the policy's deadline. The instance gets the
+    unwrapped method instead (what the loop wraps, ``__wrapped__``); a gcsfs that wraps it
+    otherwise keeps its own retries.
+    """
+    plain = getattr(getattr(type(fs), "_request", None), "__wrapped__", None)
+    if callable(plain):
+        fs._request = types.MethodType(plain, fs)
 
 
 def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

@@ -296,6 +296,21 @@ def test_refused_s3_fails_within_the_default_deadline_with_one_error(s3_server, 
     assert source.requests == 3 and 3 <= resetting.connections <= 2 * 3, (source.requests, resetting.connections)
 
 
+def test_refused_gcs_is_retried_by_the_policy_alone(gcs_server, caplog):
+    # gcsfs retries each request 6 times with up to 32 s of backoff on its own, and logs a
+    # traceback when they run out: one growcache attempt against a refused endpoint took 34 s.
+    # Counted, not timed: connections per growcache try at an endpoint that resets each one.
+    caplog.set_level(logging.DEBUG)
+    with _ResettingServer() as resetting:
+        options = {"endpoint_url": resetting.endpoint, "token": "anon"}
+        source = NpyWindowSource("gs://growcache-test/x.npy", 2, storage_options=options,
+                                 retry=RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02))
+        with pytest.raises(TransientSourceError, match="after 2 attempts"):
+            source(np.random.default_rng(0))
+    assert source.requests == 2 and 2 <= resetting.connections <= 2 * 2, (source.requests, resetting.connections)
+    assert not [r for r in caplog.records if r.name.startswith("gcsfs") and r.levelno >= logging.ERROR]
+
+
 class _ResettingServer:
     """A TCP endpoint on 127.0.0.1 that accepts every connection and resets it at once, counting them."""
 
