@@ -138,8 +138,12 @@ def test_remote_dataset_through_the_cache_while_training(s3_server, s3, tmp_path
                                 break
                         time.sleep(0.001)
                     assert killed, "no copy in progress was seen to kill"
-                    pool.wait_for(shards=pool.stats().shards + 2, timeout=120)  # restarted, copying again
+                    # The other sampler copies on meanwhile, so shards alone do not show the restart.
+                    deadline = time.monotonic() + 60
+                    while pool.stats().restarts < 1 and time.monotonic() < deadline:
+                        time.sleep(0.05)
                     assert pool.stats().restarts == 1
+                    pool.wait_for(shards=pool.stats().shards + 2, timeout=120)  # restarted, copying again
             # Training may outrun the copies: let the dataset go round once, so the second pass
             # (only the shards the cache no longer holds) is observed too.
             pool.wait_for(shards=SHARDS + 2, timeout=240)
