@@ -33,12 +33,16 @@ _TRANSIENT_ERRNOS = frozenset({
     errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
 })
-# botocore, aiohttp, urllib3 and fsspec names, matched by class name so none is imported.
+# botocore, aiohttp, urllib3, fsspec, requests, google-auth and gcsfs names, matched by class
+# name so none is imported. The last three are what gcsfs's own retry loop retries (growcache
+# turns that loop off): gcsfs raises requests' ProxyError for an HTTP 502, ChecksumError for
+# bytes damaged in transit, and google-auth's RefreshError when a token refresh fails.
 _TRANSIENT_NAMES = frozenset({
     "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
     "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ServerTimeoutError",
     "ClientOSError", "ProxyConnectionError", "ResponseStreamingError", "IncompleteRead",
     "FSTimeoutError", "ProtocolError", "RemoteDisconnected",
+    "ProxyError", "ChunkedEncodingError", "ContentDecodingError", "ChecksumError", "RefreshError",
 })
 # Errors that retrying cannot fix, whatever their cause says.
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
@@ -153,7 +157,8 @@ def _http_status(exc: BaseException) -> tuple[int | None, str | None]:
 def is_transient(exc: BaseException) -> bool:
     """True if ``exc`` (or an error it was raised from) is worth retrying.
 
-    Transient: connection refused/reset, timeouts, HTTP 408/429/5xx and throttling codes.
+    Transient: connection refused/reset, timeouts, HTTP 408/429/5xx and throttling codes,
+    and what gcsfs's own retry loop retries (a 502, a checksum mismatch, an expired token).
     Permanent: missing objects or buckets, access denied, and anything unrecognised (an
     unknown error fails fast with a clear message rather than retrying forever).
     """
@@ -163,6 +168,8 @@ def is_transient(exc: BaseException) -> bool:
         status, code = _http_status(error)
         if code is not None and code in _TRANSIENT_CODES:
             return True
+        if status == 401 and "Invalid Credentials" in str(error):
+            return True  # GCS: the token expired in flight; the next try sends a refreshed one
         if status is not None:
             return status in _TRANSIENT_STATUS or status >= 500
         names = {cls.__name__ for cls in type(error).__mro__}

@@ -472,6 +472,30 @@ def test_error_classification():
     assert is_transient(wrapped)
 
 
+def test_gcs_errors_are_classified_as_gcsfs_would_retry_them(gcs_server):
+    # growcache turns gcsfs's own retry loop off, so RetryPolicy must retry what that loop
+    # would have: the errors gcsfs's response check raises are classified here as they are.
+    import gcsfs.retry
+
+    def raised(status: int, body: bytes = b"") -> BaseException:
+        try:
+            gcsfs.retry.validate_response(status, body, "b/o")
+        except BaseException as exc:  # noqa: BLE001 - whatever gcsfs raises for this response
+            return exc
+        raise AssertionError(f"gcsfs accepted status {status}")
+
+    for status in (408, 429, 500, 502, 503, 504):
+        assert is_transient(raised(status)), status
+    assert is_transient(raised(401, b'{"error": {"code": 401, "message": "Invalid Credentials"}}'))  # token expired
+    for status, body in ((404, b""), (403, b'{"error": {"message": "denied"}}'), (400, b'{"error": "invalid x"}'),
+                         (401, b'{"error": {"code": 401, "message": "Login Required"}}')):
+        assert not is_transient(raised(status, body)), status
+    assert is_transient(gcsfs.retry.ChecksumError("md5 mismatch"))  # bytes damaged in transit
+    from google.auth.exceptions import RefreshError
+
+    assert is_transient(RefreshError("metadata server unreachable"))
+
+
 def test_redactor_masks_nested_credentials():
     options = {"key": "AKIA-id-123", "secret": "sekret-456", "token": "anon",
                "client_kwargs": {"endpoint_url": "http://h:1", "aws_session_token": "tok-789"}}
