@@ -18,7 +18,9 @@ IOV_MAX = 1024
 
 def _bytes(buffer: Any) -> memoryview:
     view = memoryview(buffer)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B") if view.nbytes else memoryview(b"")  # cast() refuses zeros in the shape
 
 
 def _rest(buffers: Sequence[Any], done: int) -> list[memoryview]:

@@ -613,10 +613,9 @@ class Epochs:
                 raise
             info = ShardInfo.from_path(path)
             note = Skipped(exc.path, exc.offset, exc.reason, info.records if info else 0)
-            if not epochs.note_skipped(note):
-                return False
-            logger.warning("skipping corrupt shard %s (byte offset %d: %s); %d skipped so far", exc.path, exc.offset,
-                           exc.reason, len(epochs.skipped))
+            if epochs.note_skipped(note):  # once per shard and epoch, as the note
+                logger.warning("skipping corrupt shard %s (byte offset %d: %s); %d skipped so far", exc.path,
+                               exc.offset, exc.reason, len(epochs.skipped))
             return False
         return True
 

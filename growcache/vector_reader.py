@@ -594,7 +594,8 @@ class VectorReader(BatchReader):
 
     def _place(self, shard: _Shard, start: int, count: int, window: _Window) -> tuple[int, str | None]:
         """Place frames ``[start, start + count)`` of ``shard`` with the fused loop: ``(good, why)``
-        as :meth:`_FixedFrames.check` gives them, the ``good`` records placed."""
+        as :meth:`_FixedFrames.check` gives them, the ``good`` records placed (and
+        :attr:`_Shard.cut` set where the file now ends before the last of them)."""
         fixed = self._fixed
         good = 0
         while good < count:
@@ -609,8 +610,8 @@ class VectorReader(BatchReader):
                 good += 1
             elif stop == _SHRANK:  # the loop does not say where in the frame: the file's end does
                 at = (start + good) * fixed.frame
-                raise CorruptShardError(shard.path, min(max(os.fstat(shard.fd).st_size, at), at + fixed.frame),
-                                        _SHRANK_REASON)
+                shard.cut = min(max(os.fstat(shard.fd).st_size, at), at + fixed.frame)
+                return good, None
             elif stop != _PLACED:
                 return good, "header" if stop == _BAD_HEADER else "crc"
         return good, None
