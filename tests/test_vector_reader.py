@@ -388,6 +388,45 @@ def test_fused_loop_detects_a_flip_in_any_stream_of_a_large_payload(tmp_path, mo
     assert result[-1][:3] == ("corrupt", target.path, frame), result[-1][:3]
 
 
+@pytest.mark.parametrize("delta", [0, 16, 100, 2047, 2048, 3000, 4095])
+def test_fused_loop_places_and_checks_payloads_at_every_row_alignment(tmp_path, delta):
+    """Each payload goes to a row at ``delta`` bytes (mod 4 KiB) from where it lies in the read
+    buffer: the loop takes one fused pass or, where the two would alias (delta 0 included),
+    two passes. Both place every byte and find a flipped one."""
+    if not vector_reader.FUSED:
+        _fused_loop_unavailable()
+    schema = Schema({"x": ("uint8", (30_011,))})
+    fixed = vector_reader._FixedFrames(ExampleCodec(schema))
+    payloads = [np.random.default_rng(n).integers(0, 256, 30_011, np.uint8) for n in range(5)]
+    path = tmp_path / "frames.tfrecord"
+    _write_frames(path, [ExampleCodec(schema).encode({"x": x}) for x in payloads])
+    _, scratch = vector_reader._aligned(1 << 20)  # holds the whole file: one read, from offset 0
+    start = fixed.payloads[0][0]
+    rows = np.zeros((len(payloads), 30_011 + 8192), np.uint8)
+    starts = []
+    for n in range(len(payloads)):
+        source = np.frombuffer(scratch, np.uint8).ctypes.data + n * fixed.frame + start
+        row = rows[n].ctypes.data
+        starts.append((source + delta - row) % 4096)
+    addresses = np.array([rows[n].ctypes.data + at for n, at in enumerate(starts)], np.uint64)
+    for n, at in enumerate(starts):
+        assert (int(addresses[n]) - (np.frombuffer(scratch, np.uint8).ctypes.data + n * fixed.frame + start)) % 4096 == delta
+
+    def place():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return vector_reader._frames.place(fd, 0, len(payloads), fixed.template, fixed.segments, 1,
+                                               addresses.tobytes(), scratch, True)
+        finally:
+            os.close(fd)
+
+    assert place() == (len(payloads), vector_reader._PLACED)
+    for n, at in enumerate(starts):
+        assert np.array_equal(rows[n, at:at + 30_011], payloads[n]), n
+    _flip(path, 3 * fixed.frame + start + 20_000)
+    assert place() == (3, vector_reader._BAD_CRC)
+
+
 def _foreign_record(codec: ExampleCodec, sample: dict) -> bytes:
     """The same Example with its features in reverse order, as other writers may emit it."""
     def entry(key: bytes, payload: bytes) -> bytes:
