@@ -36,3 +36,18 @@ def test_shard_io_quick(tmp_path):
     assert writer_target["measured"] == results["sizes"]["1MiB"]["shard_writer"]["vs_plain_paired"]
     for name, target in results["targets"].items():
         assert target["met"] == (target["measured"] >= target["target"]), name
+
+
+def test_fused_alignment_measures_every_distance_and_flags_a_cliff():
+    import fused_alignment
+
+    from growcache import vector_reader
+
+    if not vector_reader.FUSED:
+        from test_vector_reader import _fused_loop_unavailable
+        _fused_loop_unavailable()
+    results = fused_alignment.measure(mib=20, repeats=1)  # checks a row per distance itself
+    assert list(results) == list(fused_alignment.DELTAS) and all(cost > 0 for cost in results.values())
+    assert fused_alignment.cliffs({d: 0.13 for d in fused_alignment.DELTAS}) == []
+    assert fused_alignment.cliffs({**{d: 0.13 for d in fused_alignment.DELTAS}, 0: 0.40}) == [0]
+    assert fused_alignment.cliffs({**{d: 0.13 for d in fused_alignment.DELTAS}, 16: 0.19}) == []
