@@ -144,9 +144,10 @@ static inline uint32_t shift(uint32_t zeros[4][256], uint32_t crc) {
  * Such copies run backwards, as glibc's memmove does. Measured, 1 MiB payloads, CPU s/GB
  * of the fused loop:
  *   - an earlier EPYC VM: 0.26 at delta 0 or past 2 KiB, 0.6 at delta 34, 0.8 at 98;
- *   - a Zen 4 EPYC VM, through place(): 0.40 at delta 0 (a payload whose offset in the file
+ *   - a Zen 4 EPYC VM: 0.40 at delta 0 through place() (a payload whose offset in the file
  *     matches its row's, modulo 4 KiB: every record of a frame that is a multiple of 4 KiB
- *     long), 0.95 at 16-64, 0.11-0.13 from 192 on; the two passes cost 0.13-0.14.
+ *     long); the fused pass alone, forced: 0.9-1.0 at 16-64, 0.11-0.13 from 192 on; the two
+ *     passes cost 0.13-0.14 (benchmarks/fused_alignment.py measures a CPU).
  * Delta 0 counts as aliasing too: the two passes cost a third of the fused pass there.
  */
 static inline int aliases_forward(const unsigned char *src, const unsigned char *dst) {

@@ -23,18 +23,18 @@ def _bytes(buffer: Any) -> memoryview:
     return view.cast("B") if view.nbytes else memoryview(b"")  # cast() refuses zeros in the shape
 
 
-def _rest(buffers: Sequence[Any], done: int) -> list[memoryview]:
+def _rest(buffers: Sequence[Any], done: int) -> list[Any]:
     """What is left of ``buffers`` after their first ``done`` bytes, from the first buffer
     with a byte left (empty buffers before it are dropped, so a call that moved nothing
-    because its buffers were all empty still makes progress)."""
-    rest = [_bytes(b) for b in buffers]
+    because its buffers were all empty still makes progress). Only the buffers ``done``
+    reaches are measured; the rest are passed on as they are."""
     index = 0
-    while index < len(rest) and done >= rest[index].nbytes:
-        done -= rest[index].nbytes
+    while index < len(buffers) and done >= (size := _bytes(buffers[index]).nbytes):
+        done -= size
         index += 1
-    rest = rest[index:]
+    rest = list(buffers[index:])
     if done:  # a short transfer ended inside this buffer: go on from there
-        rest[0] = rest[0][done:]
+        rest[0] = _bytes(rest[0])[done:]
     return rest
 
 

@@ -127,7 +127,7 @@ class StoreSource(Source):
                 )) from exc
             if protocol in _S3 and isinstance(getattr(fs, "retries", None), int):
                 fs.retries = 1  # s3fs retries each request 5 times on its own; RetryPolicy alone retries
-            if protocol in ("gs", "gcs"):
+            if protocol in _GCS:
                 _without_gcsfs_retries(fs)
             self._fs, self._fs_pid = fs, os.getpid()
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -218,6 +218,7 @@ class StoreSource(Source):
 
 
 _S3 = frozenset({"s3", "s3a"})
+_GCS = frozenset({"gs", "gcs"})
 
 
 def _without_gcsfs_retries(fs: Any) -> None:
@@ -249,12 +250,12 @@ def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: Re
         # botocore retries a refused connection 4 times with backoff on its own.
         config.setdefault("retries", {"total_max_attempts": 1})
         options["config_kwargs"] = config
-    elif protocol in ("gs", "gcs", "http", "https"):
+    elif protocol in _GCS or protocol in ("http", "https"):
         import aiohttp
 
         # No total: a large object may take long; what must not happen is silence.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=stall, sock_read=stall)
-        if protocol in ("gs", "gcs"):
+        if protocol in _GCS:
             options.setdefault("requests_timeout", timeout)
         else:
             client = dict(options.get("client_kwargs") or {})

@@ -402,15 +402,12 @@ def test_fused_loop_places_and_checks_payloads_at_every_row_alignment(tmp_path, 
     _write_frames(path, [ExampleCodec(schema).encode({"x": x}) for x in payloads])
     _, scratch = vector_reader._aligned(1 << 20)  # holds the whole file: one read, from offset 0
     start = fixed.payloads[0][0]
+    sources = [np.frombuffer(scratch, np.uint8).ctypes.data + n * fixed.frame + start for n in range(len(payloads))]
     rows = np.zeros((len(payloads), 30_011 + 8192), np.uint8)
-    starts = []
-    for n in range(len(payloads)):
-        source = np.frombuffer(scratch, np.uint8).ctypes.data + n * fixed.frame + start
-        row = rows[n].ctypes.data
-        starts.append((source + delta - row) % 4096)
+    starts = [(source + delta - rows[n].ctypes.data) % 4096 for n, source in enumerate(sources)]
     addresses = np.array([rows[n].ctypes.data + at for n, at in enumerate(starts)], np.uint64)
-    for n, at in enumerate(starts):
-        assert (int(addresses[n]) - (np.frombuffer(scratch, np.uint8).ctypes.data + n * fixed.frame + start)) % 4096 == delta
+    for address, source in zip(addresses, sources):
+        assert (int(address) - source) % 4096 == delta
 
     def place():
         fd = os.open(path, os.O_RDONLY)
