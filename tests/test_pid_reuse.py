@@ -1,0 +1,106 @@
+"""An owner whose pid now belongs to another process is dead: every owner record goes by
+``(pid, start time)``, never by the pid alone.
+
+Each test writes an owner record by hand (a lease, a shard source's claim, a shared-memory
+slab, a temporary shard) naming a live process -- a child started by the test, so started
+after the "owner" it stands in for -- but another start time: the kernel reused the dead
+owner's pid. That owner is judged dead and what it held is freed. The same record with the
+child's true start time is a live owner, and keeps what it holds (the control, which also
+shows that the record is read at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from tfrecords import framed, labelled
+
+from conftest import ID_SCHEMA, write_shards
+from growcache import Cache, Schema, TFRecordShardSource
+from growcache import _proc
+from growcache.shard import TMP_PREFIX
+from growcache.shard_source import FetchJob
+from growcache.transport import SEGMENT_PREFIX, remove_dead_segments
+from growcache.writer import remove_abandoned_temporaries
+
+
+@pytest.fixture
+def reused_pid():
+    """``(pid, its true start time, another start time)`` of a live process started now."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        start = _proc.process_start_time(child.pid)
+        assert start is not None and _proc.is_alive(child.pid, start)
+        yield child.pid, start, start - 1 if start > 1 else start + 1
+    finally:
+        child.kill()
+        child.wait()
+
+
+OWNERS = pytest.mark.parametrize("reused", [True, False], ids=["pid-reused", "same-process"])
+
+
+@OWNERS
+def test_a_lease_whose_pid_was_reused_is_dead_and_its_shards_are_evicted(tmp_path, reused_pid, reused):
+    pid, start, other = reused_pid
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [4, 4])
+    seqs = [s.seq for s in cache.list_shards()]
+    lease = os.path.join(cache.path, "leases", f"{pid}-handmade.json")
+    with open(lease, "w") as f:
+        json.dump({"pid": pid, "start_time": other if reused else start, "host": _proc.this_host(),
+                   "created": time.time(), "holder": "a reader that died", "seqs": seqs}, f)
+    assert [bool(x) for x in cache._manifest.live_leases()] == ([] if reused else [True])
+    evicted = cache.evict(to=0)
+    if reused:
+        assert [s.seq for s in evicted] == seqs and not os.path.exists(lease), "the dead owner's lease is gone"
+    else:
+        assert evicted == [] and os.path.exists(lease), "a live owner's lease keeps its shards"
+
+
+@OWNERS
+def test_a_claim_whose_pid_was_reused_is_dead_and_its_file_is_fetched(tmp_path, reused_pid, reused):
+    pid, start, other = reused_pid
+    os.makedirs(tmp_path / "remote")
+    remote = str(tmp_path / "remote" / "train-00000")
+    with open(remote, "wb") as f:
+        f.write(framed([labelled(0, i) for i in range(3)]))
+    cache = Cache(tmp_path / "cache", capacity="1MB",
+                  schema=Schema({"label": ("int64", (), "int64_list"), "x": ("uint8", (64,))}))
+    source = TFRecordShardSource(str(tmp_path / "remote" / "train-*"))
+    claim = {"pid": pid, "start_time": other if reused else start, "host": _proc.this_host(), "time": time.time(),
+             "worker": 0}
+    with cache._locked():  # pass 1 is under way, and its only file is claimed by the handmade owner
+        cache._manifest.write_source_state(source.key, {"pass": 1, "order": [remote], "done": [],
+                                                        "claims": {remote: claim}, "held": {}, "history": []})
+    with contextlib.closing(source.fetch(FetchJob(cache, 0, 0, lambda: False))) as shards:
+        fetched = [cache._publish(s.path, s.records, s.nbytes, before_publish=s.commit) for s in shards]
+    if reused:
+        assert [s.records for s in fetched] == [3], "the dead owner's claim is dropped and its file fetched"
+    else:
+        assert fetched == [], "a live owner's claim is left to it"
+
+
+@OWNERS
+def test_a_slab_whose_pid_was_reused_is_dead_and_removed(tmp_path, reused_pid, reused):
+    pid, start, other = reused_pid
+    name = f"{SEGMENT_PREFIX}{pid}-{other if reused else start}-{_proc.this_host()}-0123456789ab"
+    (tmp_path / name).write_bytes(b"\0" * 4096)  # a slab as the owner left it in /dev/shm
+    removed = remove_dead_segments(str(tmp_path))
+    assert removed == ([name] if reused else []) and (tmp_path / name).exists() is not reused
+
+
+@OWNERS
+def test_a_temporary_shard_whose_pid_was_reused_is_dead_and_removed(tmp_path, reused_pid, reused):
+    pid, start, other = reused_pid
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=ID_SCHEMA)
+    name = f"{TMP_PREFIX}{pid}-{other if reused else start}-{_proc.this_host()}-0123456789ab"
+    with open(os.path.join(cache.shards_dir, name), "wb") as f:
+        f.write(b"half a shard")
+    assert remove_abandoned_temporaries(cache.shards_dir) == ([name] if reused else [])
