@@ -111,7 +111,8 @@ def make_tf_dataset(
         The dataset; elements hold the schema's dtypes with shapes ``(batch, *shape)``. Its
         ``skipped`` (alias ``corrupt_shards``) lists the :class:`~growcache.batching.Skipped`
         shards; its ``epochs`` (a :class:`~growcache.epoch.Epochs`) says what each epoch read:
-        ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``.
+        ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``; its
+        ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.
@@ -147,7 +148,7 @@ def make_tf_dataset(
                          deterministic, world[1] > 1)
     ds = _ErrorMappingDataset(ds.prefetch(tf.data.AUTOTUNE), iterators)
     ds.skipped = ds.corrupt_shards = epochs.skipped
-    ds.epochs = epochs
+    ds.epochs, ds.stats = epochs, iterators.meter.stats  # after ds.map(): growcache.input_stats(cache)
     return ds
 
 
@@ -292,15 +293,20 @@ class _Iterator(iterator_ops.OwnedIterator):
         super().__init__(dataset)
 
     def _next_internal(self):
+        meter = self._growcache_iterators.meter  # eager: the wait is timed at next(), exactly
+        started = meter.clock()
         try:
-            return super()._next_internal()
+            batch = super()._next_internal()
         except tf.errors.OutOfRangeError:
+            meter.next_done(started, False)
             raise
         except tf.errors.OpError as exc:
             error = self._growcache_iterators.error_for(exc.message)
             if error is None:
                 raise
             raise error from None  # TensorFlow has logged its own copy of the traceback
+        meter.next_done(started, True)
+        return batch
 
 
 class _ErrorMappingDataset(dataset_ops.UnaryUnchangedStructureDataset):

@@ -26,6 +26,7 @@ from growcache.batching import growcache_frames
 from growcache.cache import Cache
 from growcache.epoch import Epoch, EpochBookkeeping, EpochOptions, Epochs
 from growcache.errors import ForeignLoaderError
+from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
 from growcache.transport import COPY_BELOW, SlotHandle
 from growcache.worker_feed import WorkerFeed
@@ -100,12 +101,13 @@ def _all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
-class GrowcacheLoader(EpochBookkeeping, DataLoader):
+class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
     """A ``DataLoader`` whose every ``iter()`` is one epoch on a fresh cache snapshot.
 
     Build it with :func:`make_torch_loader`. Its ``epochs``, ``last_epoch`` (set by each
     ``iter()``), ``epoch``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``skipped`` and
-    ``last_plan`` are the core's :class:`~growcache.epoch.EpochBookkeeping`.
+    ``last_plan`` are the core's :class:`~growcache.epoch.EpochBookkeeping`; ``stats()``, the core's
+    :class:`~growcache.metrics.MeteredLoader`.
     """
 
     def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, slots: int,
@@ -118,6 +120,7 @@ class GrowcacheLoader(EpochBookkeeping, DataLoader):
         self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
         self._closed = False
+        self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
         if delivery is not None:
             delivery.bind(self)
 
@@ -169,17 +172,19 @@ class GrowcacheLoader(EpochBookkeeping, DataLoader):
             raise RuntimeError("this growcache loader was closed: build a new one with make_torch_loader")
         context = self.multiprocessing_context
         method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
+        began = self._meter.clock()
         # super().__iter__() starts the workers, or resets persistent ones (the feed ends the
         # abandoned epoch they may still have read only then).
         self.last_epoch, iterator = self._stream.feed.start_epoch(
             self.epochs, super().__iter__, slots=self._slots, start_method=method, registered=self._delivery is not None)
+        self._meter.begin(self.last_epoch, began)
         return self._deliver(self.last_epoch, iterator)
 
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
         finished = False
         batches = self._host_batches(iterator)
         try:
-            yield from batches if self._delivery is None else self._delivery.batches(batches)
+            yield from self._meter.timed(batches if self._delivery is None else self._delivery.batches(batches), epoch)
             finished = True
         finally:
             batches = None  # with its generators goes their reference to `iterator`

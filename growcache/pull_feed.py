@@ -30,6 +30,7 @@ import numpy as np
 from .batching import Skipped
 from .epoch import Epoch, Epochs
 from .errors import GrowcacheError
+from .metrics import InputMeter
 from .readers import slab_batches
 from .transport import COPY_BELOW, BatchLayout, Slab
 
@@ -51,11 +52,13 @@ class IteratorEpochs:
 
     Attributes:
         on_leave: called with an iterator's token once it left its epoch. Default: ``None``.
+        meter: the pipeline's :class:`~growcache.metrics.InputMeter` (its stall and freshness figures).
     """
 
     def __init__(self, epochs: Epochs) -> None:
         self.epochs = epochs
         self.on_leave: Callable[[int], None] | None = None
+        self.meter = InputMeter(epochs)
         self._lock = threading.Lock()
         self._emitted: set[int] = set()
         self._finished: set[int] = set()
@@ -68,6 +71,7 @@ class IteratorEpochs:
         except GrowcacheError as exc:
             self.note(exc)
             raise
+        self.meter.begin(epoch)
         return epoch, np.int64(epoch.token << 32 | next(_ITERATORS))
 
     def start_share(self) -> tuple[np.ndarray, ...]:
@@ -100,6 +104,7 @@ class IteratorEpochs:
         if self.on_leave is not None:
             self.on_leave(int(token))
         self.epochs.leave(int(token) >> 32, finished)
+        self.meter.left(int(token) >> 32, finished)
         return np.int64(0)
 
     def checked_path(self, raw: bytes) -> bytes:
@@ -166,11 +171,15 @@ class SlabFeed:
         batches = readers.get(int(index))
         if batches is None:
             batches = readers[int(index)] = self._read(epoch, int(index))
+        meter, item = self.iterators.meter, None
+        meter.stage_enter()  # inside a tf.function this is the only place a stall shows
         try:
             item = next(batches, None)
         except GrowcacheError as exc:
             self.iterators.note(exc)
             raise
+        finally:
+            meter.stage_exit(0 if item is None else int(item[0]))
         return self._empty() if item is None else item
 
     def _read(self, epoch: Epoch, index: int):

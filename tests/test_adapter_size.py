@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
-# Issue 13 asked for "at most about 600" for the two together; 627 when it closed.
-MAX_LINES = 630
+# Issue 13 asked for "at most about 600" for the two together; 627 when it closed. Issue 31's
+# stall figures wire in with 11 lines (the eager TensorFlow iterator times next(), the torch
+# loader hands its epochs to growcache.metrics).
+MAX_LINES = 640
 
 
 def test_the_two_adapters_together_stay_within_their_line_budget():

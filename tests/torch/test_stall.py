@@ -1,0 +1,114 @@
+"""loader.stats(): is training waiting on data? Real DataLoader workers, a slow consumer against
+a slow producer, freshness counted exactly on a cache that grows and evicts between epochs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tfrecord")
+
+import growcache  # noqa: E402
+import growcache.worker_feed  # noqa: E402
+from growcache.metrics import input_stats  # noqa: E402
+from conftest import write_shards  # noqa: E402
+
+make_torch_loader = growcache.make_torch_loader
+DELAY_S = 0.05
+
+
+def _slowed(real):
+    # Every batch a reader yields comes DELAY_S late: the producer is the bottleneck.
+    def slab_batches(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            time.sleep(DELAY_S)
+            yield item
+
+    return slab_batches
+
+
+def test_a_slow_consumer_waits_on_nothing(id_cache):
+    write_shards(id_cache, [40] * 6)  # 60 batches of 4
+    with make_torch_loader(id_cache, 4, num_workers=1, persistent_workers=True, shuffle_buffer=0) as loader:
+        for _ in loader:  # the workers start in this epoch; the figures come from the next
+            pass
+        batches = 0
+        for _ in loader:
+            time.sleep(DELAY_S)  # the training step
+            batches += 1
+        figures = loader.stats().epoch
+    assert figures.epoch == 1 and figures.finished and figures.batches == batches == 60
+    assert not figures.data_wait_bound
+    assert figures.wall_s >= batches * DELAY_S
+    assert figures.data_wait_share < 0.05, figures
+
+
+def test_a_slow_producer_shows_as_waiting(id_cache, monkeypatch):
+    write_shards(id_cache, [40] * 2)  # 20 batches of 4
+    # The worker is forked from this process, so it reads through the slowed function.
+    monkeypatch.setattr(growcache.worker_feed, "slab_batches", _slowed(growcache.worker_feed.slab_batches))
+    with make_torch_loader(id_cache, 4, num_workers=1, multiprocessing_context="fork", shuffle_buffer=0) as loader:
+        batches = sum(1 for _ in loader)
+        figures = loader.stats().epoch
+    injected = batches * DELAY_S
+    assert batches == 20 and figures.finished
+    assert figures.data_wait_s >= 0.8 * injected, figures
+    assert figures.data_wait_s <= figures.wall_s
+    assert figures.first_batch_s >= DELAY_S
+
+
+def test_freshness_and_cache_figures_count_exactly(id_cache, caplog):
+    first = write_shards(id_cache, [5, 7])
+    loader = make_torch_loader(id_cache, 3, num_workers=0)
+    caplog.set_level(logging.INFO, logger="growcache.metrics")
+
+    def epoch():
+        ids = [i for batch in loader for i in batch["id"].tolist()]
+        return ids, loader.stats().epoch
+
+    ids, f0 = epoch()
+    assert sorted(ids) == first
+    assert (f0.epoch, f0.records, f0.snapshot_shards, f0.snapshot_records) == (0, 12, 2, 12)
+    assert f0.new_shards is None and f0.new_records is None and f0.new_share is None
+    assert f0.oldest_shard_age_s >= f0.newest_shard_age_s >= 0
+
+    write_shards(id_cache, [3, 4, 6], first_id=100)
+    _, f1 = epoch()
+    assert (f1.epoch, f1.records, f1.snapshot_shards, f1.new_shards, f1.new_records) == (1, 25, 5, 3, 13)
+    assert f1.new_share == pytest.approx(13 / 25)
+    shards = id_cache.list_shards()
+    assert f1.cache.published == 3 and f1.cache.published_bytes == sum(s.nbytes for s in shards[2:])
+    assert (f1.cache.evicted, f1.cache.shards, f1.cache.bytes) == (0, 5, sum(s.nbytes for s in shards))
+
+    # Evict the oldest shard (5 records) and publish one of 2: 1 new shard of 22 records.
+    id_cache.evict(to=sum(s.nbytes for s in shards) - shards[0].nbytes)
+    write_shards(id_cache, [2], first_id=200)
+    _, f2 = epoch()
+    assert (f2.epoch, f2.records, f2.snapshot_shards, f2.new_shards, f2.new_records) == (2, 22, 5, 1, 2)
+    assert (f2.cache.published, f2.cache.evicted, f2.cache.evicted_bytes) == (1, 1, shards[0].nbytes)
+
+    total = loader.stats().total
+    assert (total.epochs, total.records, total.new_records) == (3, 59, 15)
+    assert input_stats(id_cache).epoch == f2  # the accessor keyed on the cache finds this loader
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "growcache.metrics"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("epoch 0: 12 records,") and "first epoch" in lines[0]
+    assert lines[1].startswith("epoch 1: 25 records,") and "52% new since epoch 0" in lines[1]
+    assert "38% new" not in lines[2] and "9% new since epoch 1" in lines[2]
+    loader.close()
+
+
+def test_an_epoch_left_early_says_so(id_cache, caplog):
+    write_shards(id_cache, [8, 8])
+    caplog.set_level(logging.INFO, logger="growcache.metrics")
+    with make_torch_loader(id_cache, 2, num_workers=0) as loader:
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        del iterator
+        figures = loader.stats().epoch
+    assert not figures.finished and figures.batches == 2 and figures.records == 4
+    assert any("stopped early" in r.getMessage() for r in caplog.records)
