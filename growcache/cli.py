@@ -530,9 +530,16 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
     p.add_argument("--max-shard-records", type=int, default=None, help="cut files into shards of at most N records")
     p.add_argument("--max-shard-size", type=_size_arg, default=None, help="cut files into shards of at most this size")
+    _max_record_argument(p)
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to fsspec; nested keys with dots; repeatable")
     _progress_arguments(p)
+
+
+def _max_record_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-record", type=_size_arg, default=None, metavar="SIZE",
+                   help="while no schema says how long a record may be (it is being inferred), refuse longer records "
+                        "before reading them (default: 64MiB)")
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
@@ -556,18 +563,22 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
         report = import_files(args.sources, args.cache, schema=schema, capacity=args.capacity, storage_options=options,
                               max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
-                              progress=on_bytes)
+                              max_record_bytes=args.max_record, progress=on_bytes)
         progress.update(copied[0])
     for path, reason in report.refused:
         print(f"REFUSED {path}: {reason}")
+    if report.stopped is not None:
+        print(f"STOPPED: {report.stopped}")
     print(f"imported {report.files} files: {report.records} records in {report.shards} shards "
-          f"({format_size(report.bytes)}); {len(report.refused)} refused; schema {report.schema!r}")
-    return 1 if report.refused else 0
+          f"({format_size(report.bytes)}); {len(report.refused)} refused"
+          f"{'; stopped early' if report.stopped else ''}; schema {report.schema!r}")
+    return 1 if report.refused or report.stopped else 0
 
 
 def _schema_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a TFRecord file (plain, GZIP or ZLIB): a path or fsspec URL")
     p.add_argument("--records", type=int, default=16, help="records to read (default: 16)")
+    _max_record_argument(p)
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to fsspec; nested keys with dots; repeatable")
 
@@ -581,7 +592,8 @@ def _cmd_schema(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from exc
     if args.records < 1:
         raise _UsageError(f"--records must be at least 1, got {args.records}")
-    print(repr(infer_schema(args.file, records=args.records, storage_options=options)))
+    print(repr(infer_schema(args.file, records=args.records, storage_options=options,
+                            max_record_bytes=args.max_record)))
     return 0
 
 

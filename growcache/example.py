@@ -42,11 +42,12 @@ from ._protowire import (
     tag,
     varint,
 )
-from .errors import SchemaError
+from .errors import CorruptShardError, SchemaError
 from .schema import FeatureSpec, Schema
 from .tensor_proto import parse_tensor, tensor_header
 
 __all__ = [
+    "AmbiguousRecordError",
     "BatchDecoder",
     "ExampleCodec",
     "FoundFeature",
@@ -61,6 +62,22 @@ _TAG_2 = tag(2, LEN)
 _KIND_FIELD = {"bytes": 1, "tensor": 1, "float_list": 2, "int64_list": 3}
 _KIND_NAME = {1: "bytes_list", 2: "float_list", 3: "int64_list"}
 _MAX_LAYOUTS = 64  # structures remembered per codec; beyond, records are parsed in full
+_STAGING_BYTES = 4 << 20  # a RecordChecker's batch of staged int64_list values
+
+
+_MAX_STRUCTURE = 128  # bytes of tags and lengths around one feature, with room to spare
+
+
+def _max_value_bytes(spec: FeatureSpec) -> int:
+    """The most bytes one feature's values take in any encoding a writer may choose: unpacked
+    values with a tag each (1 byte) and varints of up to 10 bytes."""
+    if spec.encoding == "int64_list":
+        return spec.size * (1 + MAX_VARINT_BYTES)
+    if spec.encoding == "float_list":
+        return spec.size * 5
+    if spec.encoding == "tensor":  # tensor_content, or typed values (varints, or 8-byte floats) with tags
+        return max(spec.nbytes, spec.size * (1 + MAX_VARINT_BYTES)) + _MAX_STRUCTURE + 16 * len(spec.shape)
+    return spec.nbytes
 
 
 def _len_field(field_tag: bytes, body_len: int) -> bytes:
@@ -105,12 +122,19 @@ class FoundFeature:
         return 0
 
 
+class AmbiguousRecordError(ValueError):
+    """A record that protobuf parsers may read in more than one way: a feature key given
+    twice, a ``Feature`` that carries its list twice (protobuf merges the two lists, a
+    scanner that takes the last one does not), a map entry with two keys or values, or a key
+    that is not UTF-8 (two such keys could decode to one name). Readers of one cache must
+    agree on every value, so such a record is refused as corrupt, never read."""
+
+
 def scan_example(record: Any) -> dict[str, FoundFeature]:
     """Every feature of a serialized ``tf.train.Example``, in any entry order.
 
-    A key that appears twice keeps its last entry, as protobuf maps do.
-
     Raises:
+        AmbiguousRecordError: the record has no single meaning (see that class).
         ValueError: the record is not a well-formed Example.
     """
     view = memoryview(record).cast("B")
@@ -122,15 +146,26 @@ def scan_example(record: Any) -> dict[str, FoundFeature]:
             if entry_field != 1 or entry_wire != LEN:
                 continue
             key = None
-            value = (ee, ee)
+            value = None
             for f, w, s, e in iter_fields(view, es, ee):
                 if f == 1 and w == LEN:
-                    key = bytes(view[s:e]).decode("utf-8", "replace")
+                    if key is not None:
+                        raise AmbiguousRecordError("a feature map entry holds two keys")
+                    try:
+                        key = bytes(view[s:e]).decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise AmbiguousRecordError(
+                            f"feature key {bytes(view[s:e])!r} is not UTF-8 (protobuf map keys are strings)") from None
                 elif f == 2 and w == LEN:
+                    if value is not None:
+                        raise AmbiguousRecordError("a feature map entry holds two values (protobuf would merge them)")
                     value = (s, e)
             if key is None:
                 raise ValueError("feature map entry without a key")
-            found[key] = _scan_feature(view, value, (es, ee))
+            if key in found:
+                raise AmbiguousRecordError(f"feature {key!r} occurs twice (protobuf keeps the last, other readers "
+                                           "the first)")
+            found[key] = _scan_feature(view, value or (ee, ee), (es, ee))
     return found
 
 
@@ -139,7 +174,10 @@ def _scan_feature(view: memoryview, span: tuple[int, int], entry: tuple[int, int
     spans: list[tuple[int, int]] = []
     for f, w, s, e in iter_fields(view, *span):
         if f in _KIND_NAME and w == LEN:
-            kind, spans = f, [(s, e)]  # a oneof: the last kind set wins
+            if kind:  # protobuf merges a list given twice, and a oneof takes the last kind set
+                raise AmbiguousRecordError(f"a Feature carries {_KIND_NAME[kind]} and then {_KIND_NAME[f]}: "
+                                           "protobuf parsers merge or replace them, growcache would not")
+            kind, spans = f, [(s, e)]
     if not kind:
         return FoundFeature("empty", (), True, entry)
     values: list[tuple[int, int]] = []
@@ -202,6 +240,9 @@ class ExampleCodec:
         prefixes: per feature, in schema order, the structure bytes before its payload in
             every record this codec writes.
         record_nbytes: serialized size of every record this codec writes.
+        max_record_bytes: the longest record of this schema that any writer produces
+            (unpacked lists, typed tensor values and the longest varints included). Readers
+            of files written by others refuse longer records before reading them.
     """
 
     def __init__(self, schema: Schema) -> None:
@@ -222,6 +263,8 @@ class ExampleCodec:
             self.layout.append((spec.name, offset, sizes[spec.name]))
             offset += sizes[spec.name]
         self.record_nbytes = offset
+        self.max_record_bytes = _MAX_STRUCTURE + sum(len(k) + _MAX_STRUCTURE + _max_value_bytes(s)
+                                                     for s, k in zip(self.specs, self._keys.values()))
         self._layouts: dict[int, list[_Layout]] = {}
         self._layout_count = 0
         self._remember(_Layout(
@@ -383,11 +426,7 @@ class ExampleCodec:
                     "`growcache schema FILE` to see how the file stores each feature."
                 ) from None
             if tensor.dtype != spec.dtype.name or tensor.shape != spec.shape:
-                raise SchemaError(
-                    f"feature {spec.name!r}: expected a serialized tensor of dtype {spec.dtype.name} shape "
-                    f"{spec.shape}, found dtype {tensor.dtype} shape {tensor.shape}. Change the schema to "
-                    f"{{{spec.name!r}: ({tensor.dtype!r}, {tensor.shape}, 'tensor')}}."
-                )
+                raise SchemaError(_tensor_mismatch(spec, tensor.dtype, tensor.shape))
             if tensor.content is None:
                 raise _NeedsDecode(f"feature {spec.name!r}: tensor values in typed fields")
             return tensor.content[0], tensor.content[1] - tensor.content[0]
@@ -442,8 +481,10 @@ class ExampleCodec:
         """The general path: any valid encoding of the feature, unpacked lists and typed tensors included."""
         if spec.encoding == "tensor":
             tensor = parse_tensor(view, *feature.values[0])
-            if tensor.array is not None:
-                return tensor.array.astype(spec.dtype)
+            if tensor.dtype != spec.dtype.name or tensor.shape != spec.shape:
+                raise SchemaError(_tensor_mismatch(spec, tensor.dtype, tensor.shape))
+            if tensor.typed is not None:  # decoded only now that its shape is the schema's
+                return tensor.values(view).astype(spec.dtype)
             start, stop = tensor.content  # type: ignore[misc]
             return np.frombuffer(view[start:stop], spec.dtype).reshape(spec.shape).copy()
         if spec.encoding == "bytes":
@@ -467,6 +508,11 @@ class ExampleCodec:
                 f"{spec.shape}, 'int64_list')}}."
             )
         return values.astype(spec.dtype)
+
+
+def _tensor_mismatch(spec: FeatureSpec, dtype: str, shape: tuple[int, ...]) -> str:
+    return (f"feature {spec.name!r}: expected a serialized tensor of dtype {spec.dtype.name} shape {spec.shape}, "
+            f"found dtype {dtype} shape {shape}. Change the schema to {{{spec.name!r}: ({dtype!r}, {shape}, 'tensor')}}.")
 
 
 def _bytes_hint(spec: FeatureSpec, view: memoryview, start: int, stop: int) -> str:
@@ -618,12 +664,17 @@ class RecordChecker:
     Args:
         codec: the codec of the cache's schema.
         source: the file or URL the records come from, for messages.
-        batch: records whose ``int64_list`` payloads are checked together. Default: ``1024``.
+        batch: records whose ``int64_list`` payloads are checked together, at most. Default: ``1024``
+            (fewer when their staged values would pass 4 MiB).
     """
 
     def __init__(self, codec: ExampleCodec, source: str, batch: int = 1024) -> None:
         self.codec = codec
         self.source = source
+        # The staging arrays stay within a few MiB, whatever the schema's int64_list sizes.
+        per_record = sum(s.nbytes + (s.size * MAX_VARINT_BYTES if s.encoding == "int64_list" else 0)
+                         for s in codec.specs)
+        batch = max(1, min(batch, _STAGING_BYTES // max(per_record, 1)))
         self._decoder = BatchDecoder(codec)
         self._staged = 0
         self._offsets = np.zeros(batch, np.int64)
@@ -638,6 +689,7 @@ class RecordChecker:
 
         Raises:
             SchemaError: it does not follow the schema (the message names file and offset).
+            CorruptShardError: it has no single meaning (:class:`AmbiguousRecordError`).
         """
         try:
             if self._rows is None:
@@ -646,6 +698,8 @@ class RecordChecker:
                     self.codec.decode(record)
                 return
             self._decoder.put(record, self._rows, self._staged)
+        except AmbiguousRecordError as exc:
+            raise CorruptShardError(self.source, offset, str(exc)) from None
         except (SchemaError, ValueError) as exc:
             raise SchemaError(f"{self.source} at byte offset {offset}: {exc}") from None
         self._offsets[self._staged] = offset

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ast
 import collections
+import errno
 import itertools
 import logging
+import math
 import os
 import struct
 import zlib
@@ -25,11 +27,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ._retry import RetryPolicy
 from ._size import parse_size
 from ._vectored_io import IOV_MAX, write_all
-from .errors import CompressedFileError, CorruptShardError, SchemaError, SourceError
-from .example import ExampleCodec, RecordChecker, scan_example
+from .errors import (
+    CacheFullError,
+    CompressedFileError,
+    CorruptShardError,
+    RefusedFileError,
+    SchemaError,
+    SourceError,
+    TransientSourceError,
+)
+from .example import AmbiguousRecordError, ExampleCodec, RecordChecker, scan_example
 from .manifest import _unlink_quiet
 from .records import (
     FOOTER_BYTES,
@@ -61,6 +73,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
+INFLATE_PIECE = 1 << 20  # bytes of inflated data per inflater call
+#: Without a schema (``growcache schema``, a first probe), records longer than this are refused
+#: before they are read: no schema says how long a record may be, and memory stays bounded.
+DEFAULT_MAX_RECORD_BYTES = 64 << 20
 _LENGTH_AND_CRC = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
 
@@ -144,18 +160,32 @@ class TFRecordFiles(StoreSource):
 
 
 def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator[bytes]:
+    """The inflated stream in pieces of at most ``INFLATE_PIECE`` bytes.
+
+    Every call to the inflater is capped (``max_length``): a small file that inflates a
+    thousandfold (a GZIP bomb) never lands in memory whole, and the reader downstream
+    refuses an oversized record before it asks for the rest of it.
+    """
     inflater = zlib.decompressobj(INFLATE_WBITS[compression])
     try:
         for chunk in chunks:
-            data = inflater.decompress(chunk)
-            while inflater.unused_data and compression == "GZIP":  # concatenated gzip members
-                rest = inflater.unused_data
+            pending = chunk
+            while pending:
+                data = inflater.decompress(pending, INFLATE_PIECE)
+                pending = inflater.unconsumed_tail
                 if data:
                     yield data
-                inflater = zlib.decompressobj(INFLATE_WBITS[compression])
-                data = inflater.decompress(rest)
-            if data:
-                yield data
+                if inflater.eof and inflater.unused_data:
+                    if compression != "GZIP":
+                        break  # bytes after a ZLIB stream's end: ignored, as TensorFlow's reader does
+                    # Concatenated gzip members: the next member starts in the unused bytes.
+                    pending = inflater.unused_data + pending
+                    inflater = zlib.decompressobj(INFLATE_WBITS[compression])
+        while not inflater.eof:  # output zlib still holds back after the last input
+            tail = inflater.decompress(b"", INFLATE_PIECE)
+            if not tail:
+                break
+            yield tail
         tail = inflater.flush()
         if tail:
             yield tail
@@ -231,7 +261,8 @@ class _Cursor:
         return joined, 0, count
 
 
-def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
+def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0, *,
+                max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES
                 ) -> Iterator[tuple[int, bytes, int, int, memoryview]]:
     """Frame a TFRecord byte stream, checking the length CRC, the data CRC and truncation.
 
@@ -240,8 +271,17 @@ def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
     frames of one chunk share it) and ``record`` a view of its data. ``offset`` counts from
     the stream's ``start``.
 
+    Args:
+        chunks: the stream's bytes.
+        source: the file or URL, for messages.
+        start: stream offset of the first byte.
+        max_record_bytes: a longer record is refused once its length is read, before any
+            of it is buffered (pass the schema's :attr:`~growcache.example.ExampleCodec.max_record_bytes`).
+            ``None``: no limit. Default: 64 MiB.
+
     Raises:
-        CorruptShardError: a CRC mismatch or a truncated record (source and offset).
+        CorruptShardError: a CRC mismatch, a truncated record, or one longer than
+            ``max_record_bytes`` (source and offset).
         CompressedFileError: the stream is a compressed file's raw bytes.
     """
     cursor = _Cursor(chunks)
@@ -260,6 +300,9 @@ def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
                 if compression is not None:
                     raise CompressedFileError(compressed_file_message(source, compression))
             raise CorruptShardError(source, offset, "length CRC32C mismatch (corrupt record header)")
+        if max_record_bytes is not None and length > max_record_bytes:
+            raise CorruptShardError(source, offset, f"a record of {length} bytes, longer than the {max_record_bytes} "
+                                                    f"bytes {_limit_reason(max_record_bytes)}")
         frame = HEADER_BYTES + length + FOOTER_BYTES
         left = cursor.available(frame)
         if left < frame:
@@ -271,6 +314,13 @@ def iter_frames(chunks: Iterator[bytes], source: str, start: int = 0
             raise CorruptShardError(source, offset, "data CRC32C mismatch (corrupt record payload)")
         yield offset, buffer, begin, end, record
         offset += frame
+
+
+def _limit_reason(limit: int) -> str:
+    if limit == DEFAULT_MAX_RECORD_BYTES:
+        return ("a record may have without a schema; if the file really holds such records, raise the limit "
+                "(growcache schema/import --max-record, max_record_bytes=)")
+    return "a record of this schema can have (or the limit given)"
 
 
 class _TempShard:
@@ -384,7 +434,8 @@ def copy_records(
 
 
 # -- schema inference ------------------------------------------------------------------------
-def infer_schema(url: str, *, records: int = 16, storage_options: Mapping[str, Any] | None = None) -> Schema:
+def infer_schema(url: str, *, records: int = 16, storage_options: Mapping[str, Any] | None = None,
+                 max_record_bytes: int | str | None = None) -> Schema:
     """The schema of a TFRecord file of ``tf.train.Example`` records, from its first records.
 
     ``int64_list`` and ``float_list`` features become ``("int64", shape, "int64_list")`` and
@@ -397,32 +448,37 @@ def infer_schema(url: str, *, records: int = 16, storage_options: Mapping[str, A
         url: a local path or fsspec URL (the first file of a glob).
         records: records to read. Default: ``16``.
         storage_options: passed to fsspec.
+        max_record_bytes: refuse longer records (and tensors) before reading them: nothing
+            says yet how long a record may be. An int or ``"256MB"``. Default: 64 MiB.
 
     Raises:
         SchemaError: a feature varies between records (``VarLenFeature``), or holds several
             byte strings or none; the message names the feature and the record.
-        CorruptShardError: the file is damaged.
+        CorruptShardError: the file is damaged, or a record is longer than ``max_record_bytes``.
     """
     files = TFRecordFiles(url, storage_options=storage_options)
-    return _infer(files, files.paths()[0], records)
+    return _infer(files, files.paths()[0], records, max_record_bytes=_record_limit(max_record_bytes))
 
 
-def _infer(files: TFRecordFiles, path: str, records: int = 16) -> Schema:
+def _infer(files: TFRecordFiles, path: str, records: int = 16, *,
+           max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Schema:
     chunks, _ = files.stream(path)
     source = files._url(path)
     seen: dict[str, tuple] = {}
     first: dict[str, int] = {}
     count = 0
-    for offset, _, _, _, record in iter_frames(chunks, source):
+    for offset, _, _, _, record in iter_frames(chunks, source, max_record_bytes=max_record_bytes):
         try:
             found = scan_example(record)
+        except AmbiguousRecordError as exc:
+            raise CorruptShardError(source, offset, str(exc)) from None
         except ValueError as exc:
             raise SchemaError(f"{source} at byte offset {offset}: not a tf.train.Example ({exc})") from None
         if count and found.keys() != seen.keys():
             raise SchemaError(f"{source} at byte offset {offset}: features {sorted(found)} differ from the first "
                               f"record's {sorted(seen)}. growcache needs every record to hold the same features.")
         for name, feature in found.items():
-            spec = _feature_of(name, feature, record, source, offset)
+            spec = _feature_of(name, feature, record, source, offset, max_record_bytes)
             if name in seen and seen[name] != spec:
                 raise SchemaError(
                     f"{source}: feature {name!r} is {_describe(seen[name])} in the record at byte offset "
@@ -443,7 +499,7 @@ def _infer(files: TFRecordFiles, path: str, records: int = 16) -> Schema:
     return Schema({name: spec for name, spec in seen.items()})
 
 
-def _feature_of(name: str, feature: Any, record: memoryview, source: str, offset: int) -> tuple:
+def _feature_of(name: str, feature: Any, record: memoryview, source: str, offset: int, max_bytes: int) -> tuple:
     count = feature.count(record)
     shape = () if count == 1 else (count,)
     if feature.kind == "int64_list":
@@ -461,6 +517,13 @@ def _feature_of(name: str, feature: Any, record: memoryview, source: str, offset
         tensor = parse_tensor(record, start, stop)
     except ValueError:
         return ("uint8", (stop - start,), "bytes")
+    nbytes = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
+    if nbytes > max_bytes:  # typed values: one value may claim any shape
+        raise SchemaError(
+            f"{source} at byte offset {offset}: feature {name!r} is a tensor of dtype {tensor.dtype} shape "
+            f"{tensor.shape} ({nbytes} bytes), more than the {max_bytes} bytes a record may have without a "
+            "schema. If that is right, give the schema (or raise --max-record / max_record_bytes)."
+        )
     return (tensor.dtype, tensor.shape, "tensor")
 
 
@@ -501,8 +564,10 @@ class ImportReport:
         records: records published.
         shards: shards published.
         bytes: bytes published.
-        refused: ``(file, reason)`` of each file refused; nothing of it was published.
-        schema: the cache's schema (inferred from the first file if the cache had none).
+        refused: ``(file, reason)`` of each file skipped; nothing of it was published.
+        schema: the cache's schema (inferred from the first readable file if the cache had none).
+        stopped: why the import stopped before its last file (the disk is full, the store
+            is unreachable), or ``None``: files after that point were not tried.
     """
 
     files: int = 0
@@ -511,6 +576,7 @@ class ImportReport:
     bytes: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)
     schema: Schema | None = None
+    stopped: str | None = None
 
 
 def import_files(
@@ -522,6 +588,7 @@ def import_files(
     storage_options: Mapping[str, Any] | None = None,
     max_shard_records: int | None = None,
     max_shard_bytes: int | str | None = None,
+    max_record_bytes: int | str | None = None,
     progress: Callable[[int], None] | None = None,
     on_file: Callable[[str, int], None] | None = None,
 ) -> ImportReport:
@@ -529,26 +596,32 @@ def import_files(
 
     Each file's records are copied unchanged into shards of the cache (several per file
     with ``max_shard_records`` or ``max_shard_bytes``). A file is published only when
-    every record of it verified, so a refused file leaves nothing behind; the others are
-    still imported.
+    every record of it verified, so a refused file leaves nothing behind: it is skipped
+    with a warning, and the others are still imported. A full disk or an unreachable store
+    stops the import; what was published stays, and the report says where it stopped.
 
     Args:
         sources: local paths, globs or fsspec URLs, or a list of them.
         cache: a :class:`~growcache.Cache` or its directory (created if missing).
         schema: the records' schema. Default: the cache's; for a cache without one, the
-            schema inferred from the first file (see :func:`infer_schema`), then stored.
+            schema inferred from the first file that holds one (see :func:`infer_schema`),
+            then stored.
         capacity: the cache's capacity, for a new cache or to change it. Default: as stored.
         storage_options: passed to fsspec.
         max_shard_records: records per shard at most. Default: ``None`` (one shard per file).
         max_shard_bytes: bytes per shard at most. Default: ``None`` (one shard per file).
+        max_record_bytes: while the schema is inferred, records longer than this are refused
+            before they are read. Default: 64 MiB. With a schema, the longest record it
+            allows is the limit.
         progress: called with each chunk of bytes copied (for a progress bar).
         on_file: called with ``(file, records)`` as each file is published.
 
     Returns:
-        An :class:`ImportReport`; ``refused`` names each file refused and why.
+        An :class:`ImportReport`: what was imported, each file skipped and why, and why the
+        import stopped early, if it did.
 
     Raises:
-        SourceError: a source matches nothing, or the store fails.
+        SourceError: a source matches nothing.
         SchemaMismatchError: ``schema`` differs from the cache's stored schema.
     """
     from .cache import Cache
@@ -559,21 +632,46 @@ def import_files(
         cache = Cache(cache, capacity=capacity, schema=schema)
     elif schema is not None or capacity is not None:
         cache = Cache(cache.path, capacity=capacity, schema=schema)
+    report = ImportReport(schema=cache.schema)
+    infer_limit = _record_limit(max_record_bytes)
+    skipped: set[str] = set()
     if cache.schema is None:
-        inferred = _infer(files, paths[0])
-        cache = Cache(cache.path, schema=inferred)
-        logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, files._url(paths[0]))
+        for path in paths:
+            url = files._url(path)
+            try:
+                inferred = _infer(files, path, max_record_bytes=infer_limit)
+            except _HANDLED as exc:
+                if _stops(exc):
+                    report.stopped = _stop_reason(exc, url)
+                    logger.error("import stopped at %s: %s", url, report.stopped)
+                    return report
+                _skip_file(report, url, exc)
+                skipped.add(path)
+                continue
+            cache = Cache(cache.path, schema=inferred)
+            logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, url)
+            break
+        else:
+            report.stopped = "no file holds records growcache can read, so no schema could be inferred"
+            return report
+        report.schema = cache.schema
     codec = ExampleCodec(cache.schema)  # type: ignore[arg-type]
     limit = parse_size(max_shard_bytes, name="max_shard_bytes") if max_shard_bytes is not None else None
-    report = ImportReport(schema=cache.schema)
     for path in paths:
+        if path in skipped:
+            continue
         url = files._url(path)
+        if _in_cache(files, path, cache):
+            _skip_file(report, url, RefusedFileError(
+                f"{url} is in cache {cache.path} itself: importing it would duplicate its records."))
+            continue
         pieces: list[CopiedShard] = []
         try:
             chunks, _ = files.stream(path)
             checker = RecordChecker(codec, url)
-            for piece in copy_records(iter_frames(chunks, url), cache, checker, max_records=max_shard_records,
-                                      max_bytes=limit, progress=progress):
+            frames = iter_frames(chunks, url, max_record_bytes=codec.max_record_bytes)
+            for piece in copy_records(frames, cache, checker, max_records=max_shard_records, max_bytes=limit,
+                                      progress=progress):
                 pieces.append(piece)
             if not pieces:
                 raise CorruptShardError(url, 0, "the file holds no records")
@@ -584,17 +682,18 @@ def import_files(
                         f"({cache.capacity} bytes). Raise the capacity, or cut files with max_shard_bytes "
                         "(growcache import --max-shard-size)."
                     )
-        except (SchemaError, CorruptShardError, CompressedFileError) as exc:
-            for piece in pieces:
-                _unlink_quiet(piece.path)
-            report.refused.append((url, str(exc)))
-            logger.error("refused %s: %s", url, exc)
+            published = _publish_all(cache, pieces)
+        except _HANDLED as exc:
+            _discard(pieces)
+            if _stops(exc):
+                report.stopped = _stop_reason(exc, url)
+                logger.error("import stopped at %s: %s", url, report.stopped)
+                return report
+            _skip_file(report, url, exc)
             continue
-        except BaseException:  # the store failed, Ctrl-C: nothing of this file stays behind
-            for piece in pieces:
-                _unlink_quiet(piece.path)
+        except BaseException:  # Ctrl-C: nothing of this file stays behind
+            _discard(pieces)
             raise
-        published = _publish_all(cache, pieces)
         report.files += 1
         report.shards += len(published)
         report.records += sum(p.records for p in published)
@@ -602,6 +701,59 @@ def import_files(
         if on_file is not None:
             on_file(url, sum(p.records for p in published))
     return report
+
+
+_HANDLED = (SchemaError, CorruptShardError, CompressedFileError, CacheFullError, OSError)
+
+
+def _stops(exc: BaseException) -> bool:
+    """Whether ``exc`` ends the import: the disk or the store failed, so every later file
+    would fail the same way. Otherwise the file alone is at fault (damaged, off-schema, gone
+    from the store, unreadable) and is skipped."""
+    if isinstance(exc, (CacheFullError, TransientSourceError)):
+        return True
+    if isinstance(exc, SourceError):
+        return False
+    return isinstance(exc, OSError)
+
+
+def _record_limit(value: int | str | None) -> int:
+    return DEFAULT_MAX_RECORD_BYTES if value is None else parse_size(value, name="max_record_bytes")
+
+
+def _in_cache(files: TFRecordFiles, path: str, cache: Any) -> bool:
+    """Whether ``path`` is a local file in ``cache``'s own shard directory (as ``add_shard`` refuses)."""
+    protocols = files.fs.protocol if isinstance(files.fs.protocol, tuple) else (files.fs.protocol,)
+    if not {"file", "local"} & set(protocols):
+        return False
+    return os.path.dirname(os.path.realpath(path)) == os.path.realpath(cache.shards_dir)
+
+
+def _skip_file(report: ImportReport, url: str, exc: BaseException) -> None:
+    reason = _file_problem(exc)
+    report.refused.append((url, reason))
+    logger.warning("skipped %s: %s", url, reason)
+
+
+def _file_problem(exc: BaseException) -> str:
+    """Why a file given to import was refused, with advice for a file (not for a cache shard)."""
+    if isinstance(exc, CorruptShardError):
+        return (f"not a TFRecord file, or damaged: {exc.reason} at byte offset {exc.offset}. Nothing of it was "
+                "imported; check the file (or how it was copied), then import it again")
+    return f"{exc} Nothing of it was imported."
+
+
+def _stop_reason(exc: BaseException, url: str) -> str:
+    if isinstance(exc, CacheFullError) or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the disk of the cache is full ({exc}) while importing {url}; nothing of that file was kept. "
+                "Free disk space (or lower the cache's capacity), then import the files not imported yet (a file "
+                "imported twice has its records twice)")
+    return f"{type(exc).__name__}: {exc} (while importing {url}; nothing of that file was kept)"
+
+
+def _discard(pieces: list[CopiedShard]) -> None:
+    for piece in pieces:
+        _unlink_quiet(piece.path)
 
 
 def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:

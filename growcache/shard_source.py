@@ -215,9 +215,11 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         if schema is None:
             return _infer(self, path, records)
         url = self._url(path)
-        checker = RecordChecker(ExampleCodec(schema), url)
+        codec = ExampleCodec(schema)
+        checker = RecordChecker(codec, url)
         chunks, _ = self.stream(path)
-        for count, (offset, _, _, _, record) in enumerate(iter_frames(chunks, url), 1):
+        for count, (offset, _, _, _, record) in enumerate(
+                iter_frames(chunks, url, max_record_bytes=codec.max_record_bytes), 1):
             checker.check(record, offset)
             if count >= records:
                 break

@@ -62,27 +62,51 @@ def tensor_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 
 @dataclass(frozen=True)
 class TensorField:
-    """Where a serialized tensor's values are: ``content`` (a span of raw bytes) or ``array`` (decoded)."""
+    """Where a serialized tensor's values are: ``content`` (a span of raw bytes) or typed value
+    fields, decoded by :meth:`values` only when asked.
+
+    Typed values are never decoded by :func:`parse_tensor` itself: one value may fill a shape
+    of any size, so a few bytes could claim gigabytes. Compare ``dtype`` and ``shape`` with
+    what is expected first, then call :meth:`values`.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     content: tuple[int, int] | None = None
-    array: np.ndarray | None = None
+    typed: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...] | None = None
+
+    def values(self, buf: memoryview) -> np.ndarray:
+        """The typed values of the tensor in ``buf``, as an array of its dtype and shape.
+
+        Raises:
+            ValueError: they do not fill the shape, or a value does not fit the dtype.
+        """
+        if self.typed is None:
+            raise ValueError("the tensor holds tensor_content, not typed values")
+        return _typed_values(buf, self.dtype, self.shape, dict(self.typed))
 
 
 def parse_tensor(buf: memoryview, start: int, stop: int) -> TensorField:
     """Read the ``TensorProto`` in ``buf[start:stop]``.
 
+    Typed value fields are located, not decoded (see :class:`TensorField`).
+
     Raises:
-        ValueError: not a ``TensorProto`` of a numeric dtype with a known shape, or its values
-            do not fill its shape.
+        ValueError: not a ``TensorProto`` of a numeric dtype with a known shape, a field that
+            occurs twice where protobuf would merge or replace it (two readers could then
+            disagree on the tensor), or content that does not fill its shape.
     """
     dtype_enum = 0
     shape: list[int] | None = None
     unknown_rank = False
     content: tuple[int, int] | None = None
     typed: dict[int, list[tuple[int, int, int]]] = {}
+    seen: set[int] = set()
     for field, wire, s, e in iter_fields(buf, start, stop):
+        if field in (_DTYPE, _SHAPE, _CONTENT):
+            if field in seen:
+                raise ValueError(f"TensorProto field {field} occurs twice (protobuf would merge or replace it)")
+            seen.add(field)
         if field == _DTYPE and wire == VARINT:
             dtype_enum = s
         elif field == _SHAPE and wire == LEN:
@@ -109,7 +133,10 @@ def parse_tensor(buf: memoryview, start: int, stop: int) -> TensorField:
         if got != count * itemsize:
             raise ValueError(f"tensor content of {got} bytes, dtype {dtype} shape {dims} needs {count * itemsize}")
         return TensorField(dtype, dims, content=content or (stop, stop))
-    return TensorField(dtype, dims, array=_typed_values(buf, dtype, dims, typed))
+    field = next((f for f in typed if dtype in _TYPED[f][0].split()), None)
+    if field is None or len(typed) > 1:
+        raise ValueError(f"tensor of dtype {dtype} holds values of another dtype's field")
+    return TensorField(dtype, dims, typed=tuple((f, tuple(spans)) for f, spans in typed.items()))
 
 
 def _parse_shape(buf: memoryview, start: int, stop: int) -> tuple[list[int], bool]:
@@ -132,9 +159,7 @@ def _parse_shape(buf: memoryview, start: int, stop: int) -> tuple[list[int], boo
 def _typed_values(buf: memoryview, dtype: str, shape: tuple[int, ...],
                   typed: dict[int, list[tuple[int, int, int]]]) -> np.ndarray:
     """Values of the typed fields; one value fills the whole shape, as TensorFlow reads it."""
-    field = next((f for f in typed if dtype in _TYPED[f][0].split()), None)
-    if field is None or len(typed) > 1:
-        raise ValueError(f"tensor of dtype {dtype} holds values of another dtype's field")
+    (field,) = typed
     storage = _TYPED[field][1]
     values: list = []
     raw = bytearray()
@@ -149,13 +174,26 @@ def _typed_values(buf: memoryview, dtype: str, shape: tuple[int, ...],
                     values.append(value)
         else:
             raw += buf[s:e] if wire in (LEN, FIXED32, FIXED64) else b""
+    count = math.prod(shape)
+    if len(values) > max(count, 1) or len(raw) > max(count, 1) * np.dtype(dtype).itemsize:
+        raise ValueError(f"tensor holds more values than its shape {shape} has room for")
     if storage == "half":
+        # half_val holds each float16's bits in an int32 field: anything above 16 bits is no float16.
+        if any(v > 0xFFFF for v in values):
+            raise ValueError(f"half_val value {max(values)} is not the bits of a float16 (0..65535)")
         array = np.array(values, np.uint16).view(np.float16)
     elif storage == "varint":
-        array = np.array(values, np.uint64).view(np.int64).astype(dtype)
+        array = np.array(values, np.uint64).view(np.int64)
+        low, high = (0, 1) if dtype == "bool" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+        if dtype in ("uint32", "uint64"):
+            # uint32_val and uint64_val are unsigned fields: their varints are the values' bits.
+            array = np.array(values, np.uint64)
+        bad = [int(v) for v in array if not low <= int(v) <= high]
+        if bad:
+            raise ValueError(f"typed value {bad[0]} is out of range for dtype {dtype} [{low}, {high}]")
+        array = array.astype(dtype)
     else:  # float and complex values are little-endian IEEE numbers, pairs for complex
         array = np.frombuffer(bytes(raw), np.dtype(dtype).newbyteorder("<")).astype(dtype)
-    count = math.prod(shape)
     if array.size == count:
         return array.reshape(shape)
     if array.size == 1:
