@@ -96,7 +96,9 @@ def iter_records(
     (``bytes(record)``) to keep it.
 
     Every length is checked against the file's size before anything is allocated for it,
-    so a crafted length can neither misframe the file nor exhaust memory. A file named like
+    so a crafted length can neither misframe the file nor exhaust memory; with ``verify``, a
+    record longer than the 8 MiB read buffer has its CRC checked in pieces before it is
+    read whole, so a length that a sparse file backs costs no memory unless it is true. A file named like
     a published shard must hold exactly the records and bytes its name states: a shard cut
     at a record boundary is as corrupt as one cut mid-record, and never ends quietly short.
 
@@ -236,6 +238,20 @@ class _FrameReader:
             got += n
         self.filled = 0  # the reusable buffer no longer mirrors the file position
 
+    def _check_pieces(self, offset: int, length: int) -> None:
+        """Check the data CRC of the record at ``offset`` chunk by chunk, never holding it whole."""
+        crc, position, end = 0, offset + HEADER_BYTES, offset + HEADER_BYTES + length
+        capacity = len(self.buffer)
+        while position < end:
+            chunk = self.view[:min(capacity, end - position)]
+            self._read_exactly(position, chunk)
+            crc = crc32c(chunk, crc)
+            position += len(chunk)
+        footer = self.view[:FOOTER_BYTES]
+        self._read_exactly(end, footer)
+        if _mask(crc) != _CRC.unpack(footer)[0]:
+            raise CorruptShardError(self.path, offset, "data CRC32C mismatch (corrupt record payload)")
+
     def frames(self, verify: bool, whole: bool) -> Iterator[tuple[int, memoryview | None]]:
         """Yield ``(offset, data)``; ``whole=False`` never holds a record larger than the
         buffer (it yields ``None`` as the data of those, after checking their CRC)."""
@@ -267,6 +283,10 @@ class _FrameReader:
                 if verify and masked_crc32c(data) != stored:
                     raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
             elif whole:
+                if verify:
+                    # Checked in bounded pieces before any of it is held: a length that a sparse
+                    # or damaged file can back claims gigabytes the CRC then refuses.
+                    self._check_pieces(offset, length)
                 try:
                     if len(self.big) < length + FOOTER_BYTES:
                         self.big = bytearray(length + FOOTER_BYTES)
@@ -276,19 +296,10 @@ class _FrameReader:
                 big = memoryview(self.big)[:length + FOOTER_BYTES]
                 self._read_exactly(offset + HEADER_BYTES, big)
                 data = big[:length]
-                if verify and masked_crc32c(data) != _CRC.unpack(big[length:])[0]:
+                if verify and masked_crc32c(data) != _CRC.unpack(big[length:])[0]:  # changed since its check
                     raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
             else:
-                crc, position, end = 0, offset + HEADER_BYTES, offset + HEADER_BYTES + length
-                while position < end:
-                    chunk = self.view[:min(capacity, end - position)]
-                    self._read_exactly(position, chunk)
-                    crc = crc32c(chunk, crc)
-                    position += len(chunk)
-                footer = self.view[:FOOTER_BYTES]
-                self._read_exactly(end, footer)
-                if _mask(crc) != _CRC.unpack(footer)[0]:
-                    raise CorruptShardError(path, offset, "data CRC32C mismatch (corrupt record payload)")
+                self._check_pieces(offset, length)
                 data = None
             count += 1
             yield offset, data

@@ -285,3 +285,27 @@ def test_a_full_disk_ends_the_import_with_a_summary(tmp_path, capsys):
         imported = Cache(cache).stats().records
         assert 0 < imported < 1200 and f"{imported} records" in out and "stopped early" in out
         assert sum(1 for s in Cache(cache).list_shards() for _ in iter_records(s.path)) == imported
+
+
+def test_a_record_claiming_most_of_a_sparse_file_is_checked_in_bounded_pieces(tmp_path):
+    # add_shard and iter_records held the whole claimed record (+1 GiB for 1 GiB) before its CRC failed.
+    length = 256 * MiB
+    path = tmp_path / "sparse.tfrecord"
+    with open(path, "wb") as f:
+        f.write(frame_header(length))
+        f.truncate(length + 16)  # a hole: the disk holds next to nothing
+    Cache(tmp_path / "cache", capacity="4GB", schema=LABELLED)
+    peak, out = _peak_rss_of(f"""
+import growcache
+from growcache.records import iter_records
+try:
+    growcache.Cache({str(tmp_path / "cache")!r}).add_shard({str(path)!r})
+except growcache.CorruptShardError as exc:
+    print("ADD", exc.offset, exc.reason)
+try:
+    list(iter_records({str(path)!r}))
+except growcache.CorruptShardError as exc:
+    print("ITER", exc.offset, exc.reason)
+""")
+    assert "ADD 0 data CRC32C mismatch" in out and "ITER 0 data CRC32C mismatch" in out, out
+    assert peak < 64 * MiB, f"peak {peak / MiB:.0f} MiB for a record claiming 256 MiB of a sparse file"
