@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Redactor", "RetryPolicy", "describe_error", "is_stall", "is_transient"]
+__all__ = ["Redactor", "RetryPolicy", "describe_error", "is_stall", "is_throttle", "is_transient"]
 
 logger = logging.getLogger("growcache.sources")
 
@@ -67,6 +67,12 @@ class RetryPolicy:
       connect and read timeout of the s3://, gs:// and http(s):// clients, unless
       ``storage_options`` set their own.
 
+    A third bound rides out outages: once the store has answered at least once, a request
+    whose tries are spent goes on trying, ``max_delay`` apart (with jitter), until the store
+    answers again or ``outage_budget`` seconds have passed since the outage began. The
+    outage is logged once when it begins and once when it ends; the cache goes on serving
+    training meanwhile. A store that never answered fails after the tries above, at once.
+
     Args:
         attempts: tries in all, the first included. Default: ``6``.
         initial_delay: seconds before the first retry. Default: ``0.2``.
@@ -76,6 +82,9 @@ class RetryPolicy:
             attempts only. Default: ``30.0``.
         stall_timeout: seconds without a byte after which a connect or read fails.
             Default: ``30.0``.
+        outage_budget: seconds an outage of a store that answered before is ridden out;
+            ``0`` fails after the tries above, as a store never reached does.
+            Default: ``600.0``.
     """
 
     attempts: int = 6
@@ -84,6 +93,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     deadline: float | None = 30.0
     stall_timeout: float = 30.0
+    outage_budget: float = 600.0
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
@@ -94,6 +104,9 @@ class RetryPolicy:
             raise ValueError(f"RetryPolicy.deadline must be positive seconds or None, got {self.deadline!r}")
         if not self.stall_timeout > 0:
             raise ValueError(f"RetryPolicy.stall_timeout must be positive seconds, got {self.stall_timeout!r}")
+        if isinstance(self.outage_budget, bool) or not isinstance(self.outage_budget, (int, float)) \
+                or not self.outage_budget >= 0:
+            raise ValueError(f"RetryPolicy.outage_budget must be seconds >= 0, got {self.outage_budget!r}")
 
     def delays(self, jitter: random.Random | None = None) -> Iterator[float]:
         """The ``attempts - 1`` sleeps between tries (the deadline is applied by :meth:`call`)."""
@@ -178,6 +191,31 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(error, (ConnectionError, TimeoutError)):
             return True
         if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded",
+    "TooManyRequestsException", "rateLimitExceeded", "BandwidthLimitExceeded",
+})
+_CONNECTION_NAMES = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ClientConnectorError",
+    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "RemoteDisconnected",
+})
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """True if ``exc`` says to send fewer requests at once: throttling (HTTP 429 or 503, S3's
+    ``SlowDown``) or a refused, reset or dropped connection."""
+    for error in _chain(exc):
+        status, code = _http_status(error)
+        if (code is not None and code in _THROTTLE_CODES) or status in (429, 503):
+            return True
+        if {cls.__name__ for cls in type(error).__mro__} & _CONNECTION_NAMES:
+            return True
+        if isinstance(error, ConnectionError) or (isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
+                                                  and not isinstance(error, TimeoutError)):
             return True
     return False
 

@@ -59,6 +59,7 @@ import multiprocessing as mp
 import os
 import pickle
 import pickletools
+import queue
 import signal
 import sys
 import tempfile
@@ -73,6 +74,7 @@ from typing import Any
 import numpy as np
 
 from ._size import format_size, parse_size
+from ._concurrent import _TICKET, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
@@ -80,18 +82,27 @@ from .manifest import _unlink_quiet
 from .records import FOOTER_BYTES, HEADER_BYTES
 from .shard_source import FetchJob, ShardSource
 from .sources import Source, as_source
-from .writer import remove_abandoned_temporaries
+from .shard import scan_shards
+from .writer import remove_abandoned_temporaries, temp_owner
 
-__all__ = ["SamplerPool", "SamplerStats", "describe_mismatch", "worker_rng"]
+__all__ = ["SamplerPool", "SamplerStats", "describe_mismatch", "sample_rng", "worker_rng"]
 
 logger = logging.getLogger(__name__)
 
 # Per-worker slots of the shared counter array; each worker writes only its own slots.
-_RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB, _CLAIMED, _DONE = range(9)
-_NSLOTS = 9
+(_RECORDS, _BYTES, _PUB_RECORDS, _PUB_BYTES, _SHARDS, _DISCARDED, _PEAK_RSS_KB, _DONE, _ANSWERED, _REQUESTS,
+ _LIMIT, _P50_US, _P95_US, _P99_US, _THROTTLES, _PEAK_INFLIGHT_BYTES) = range(16)
+_NSLOTS = 16
 # Slots of the pool's shared control array: the stop flag (the parent writes it, workers poll
-# it) and the records of stop_after left to sample (changed only under the quota lock).
-_STOP, _QUOTA = range(2)
+# it); the next global sample index, the end of the indices (stop_after, or -1) and how many
+# indices wait in the returned pool (these three change only under the index lock).
+_STOP, _NEXT, _END, _NRETURNED = range(4)
+# Per-worker header of the open-index array: records of the shard in progress, and a flag
+# raised while that shard is being published.
+_OPEN_COUNT, _OPEN_PUBLISHING, _OPEN_HEAD = 0, 1, 2
+# A shard in progress holds at most this many records, so that its indices fit a fixed array.
+_MAX_SHARD_RECORDS = 65536
+DEFAULT_CONCURRENCY = 32
 _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -105,10 +116,115 @@ _MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
 def worker_rng(seed: int, worker: int, restart: int, run: int = 0) -> np.random.Generator:
     """The RNG of ``worker`` after ``restart`` restarts, in the ``run``-th pool started on its cache.
 
-    Independent streams, reproducible by seed: a fresh cache sampled with one seed gets the
-    same records again, and a later pool on the same cache never replays earlier ones.
+    Shard sources draw their choices from it. Independent streams, reproducible by seed.
     """
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(worker, restart, run)))
+
+
+def sample_rng(seed: int, index: int, run: int = 0) -> np.random.Generator:
+    """The RNG of the ``index``-th sample of the ``run``-th pool started on a cache.
+
+    Every sample has its own stream, keyed by the pool's seed, the run and a global sample
+    index that the workers claim from the pool one at a time. Which samples are drawn
+    therefore depends on neither the number of workers, nor the concurrency, nor the order
+    in which requests finish: a fresh cache sampled with one seed and ``stop_after`` gets the
+    same set of records again, and a later pool on the same cache (a new run) never replays
+    earlier ones.
+    """
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(run, index)))
+
+
+class _Indices:
+    """The ledger of global sample indices, shared by the pool's processes.
+
+    An index is claimed from the returned pool first, else from the counter (up to
+    ``stop_after``), under one process lock. Each worker records in its own row of a shared
+    array the indices it holds: one slot per sample in flight, then the indices of its shard
+    in progress. When a worker dies, the pool moves every index it held and did not publish
+    back to the returned pool, so a restart neither replays nor skips one.
+
+    The stores are ordered so that a worker killed between any two of them leaves an index
+    either held twice (which :meth:`refund` removes) or still unclaimed, never lost. A shard
+    being published is flagged first: if the worker dies then, its temporary file tells
+    whether the rename happened.
+    """
+
+    def __init__(self, control: Any, returned: Any, held: Any, lock: _ProcessLock, slots: int, shard_cap: int,
+                 worker: int = -1) -> None:
+        self.control, self.returned, self.held, self.lock = control, returned, held, lock
+        self.slots, self.shard_cap = slots, shard_cap
+        self.row = _OPEN_HEAD + slots + shard_cap
+        self.base = worker * self.row
+
+    def for_worker(self, worker: int) -> _Indices:
+        return _Indices(self.control, self.returned, self.held, self.lock, self.slots, self.shard_cap, worker)
+
+    # -- a worker's side -------------------------------------------------------------------------
+    def claim(self, slot: int) -> int | None:
+        """A new index, held in in-flight ``slot``; ``None`` when ``stop_after`` indices are all claimed."""
+        held, control, at = self.held, self.control, self.base + _OPEN_HEAD + slot
+        with self.lock:
+            waiting = control[_NRETURNED]
+            if waiting > 0:
+                index = self.returned[waiting - 1]
+                held[at] = index
+                control[_NRETURNED] = waiting - 1
+                return index
+            index = control[_NEXT]
+            if 0 <= control[_END] <= index:
+                return None
+            held[at] = index
+            control[_NEXT] = index + 1
+            return index
+
+    def written(self, slot: int, index: int) -> None:
+        """Index ``index`` of in-flight ``slot`` is now a record of the shard in progress."""
+        held, count = self.held, self.held[self.base + _OPEN_COUNT]
+        held[self.base + _OPEN_HEAD + self.slots + count] = index
+        held[self.base + _OPEN_COUNT] = count + 1
+        held[self.base + _OPEN_HEAD + slot] = -1
+
+    def dropped(self, slot: int) -> None:
+        self.held[self.base + _OPEN_HEAD + slot] = -1
+
+    def publishing(self, flag: bool) -> None:
+        self.held[self.base + _OPEN_PUBLISHING] = int(flag)
+
+    def published(self) -> None:
+        """The shard in progress was published: its indices are done."""
+        self.held[self.base + _OPEN_COUNT] = 0
+        self.held[self.base + _OPEN_PUBLISHING] = 0
+
+    def give_back_shard(self) -> None:
+        """The shard in progress was discarded: its indices go back to the pool."""
+        self.refund(self.base // self.row, published=False, in_flight=False)
+
+    # -- the pool's side -------------------------------------------------------------------------
+    def refund(self, worker: int, *, published: bool, in_flight: bool = True) -> int:
+        """Move the indices ``worker`` held and did not publish back to the pool; return how many.
+
+        ``published`` tells whether a shard it was publishing when it died got its name.
+        """
+        base, held, control = worker * self.row, self.held, self.control
+        with self.lock:
+            count = min(max(held[base + _OPEN_COUNT], 0), self.shard_cap)
+            shard_at = base + _OPEN_HEAD + self.slots
+            lost = [] if held[base + _OPEN_PUBLISHING] and published else list(held[shard_at:shard_at + count])
+            if in_flight:
+                lost += [i for i in held[base + _OPEN_HEAD:shard_at] if i >= 0]
+            waiting = control[_NRETURNED]
+            # A worker killed between two stores holds an index it never took, or one twice.
+            already = set(self.returned[:waiting])
+            fresh = sorted({i for i in lost if 0 <= i < control[_NEXT] and i not in already}, reverse=True)
+            for n, index in enumerate(fresh):
+                self.returned[waiting + n] = index
+            control[_NRETURNED] = waiting + len(fresh)
+            held[base + _OPEN_COUNT] = 0
+            held[base + _OPEN_PUBLISHING] = 0
+            if in_flight:
+                for at in range(base + _OPEN_HEAD, shard_at):
+                    held[at] = -1
+            return len(fresh)
 
 
 @dataclass(frozen=True)
@@ -131,6 +247,17 @@ class SamplerStats:
         failed: the pool gave up; :meth:`SamplerPool.raise_if_failed` raises.
         worker_peak_rss: peak resident memory of each worker slot, in bytes.
         finished: every worker stopped by itself after the pool's ``stop_after`` records.
+        requests_in_flight: store requests in flight now, all workers together.
+        in_flight_limit: samples each worker may keep in flight now, all workers together
+            (``concurrency`` per worker, less while the store throttles).
+        latency_p50: median latency of recent store requests, in seconds (the slowest
+            worker's figure; ``0.0`` before any request or for sources without a store).
+        latency_p95: 95th percentile of the same, in seconds.
+        latency_p99: 99th percentile of the same, in seconds.
+        throttle_events: requests the store throttled (HTTP 429/503, SlowDown) or dropped
+            the connection of, each of which cut the in-flight limit.
+        peak_bytes_in_flight: the most bytes one worker held in samples fetched or being
+            fetched and not yet written (at most ``max_bytes_in_flight``).
     """
 
     records: int
@@ -148,6 +275,13 @@ class SamplerStats:
     failed: bool
     worker_peak_rss: tuple[int, ...]
     finished: bool = False
+    requests_in_flight: int = 0
+    in_flight_limit: int = 0
+    latency_p50: float = 0.0
+    latency_p95: float = 0.0
+    latency_p99: float = 0.0
+    throttle_events: int = 0
+    peak_bytes_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,6 +295,9 @@ class _WorkerConfig:
     log_level: int
     run: int = 0
     stop_after: int | None = None
+    concurrency: int = 1
+    max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT
+    shard_records: int = _MAX_SHARD_RECORDS
 
 
 class SamplerPool:
@@ -198,12 +335,23 @@ class SamplerPool:
             lost are sampled again, so the pool publishes exactly this many unless it is
             stopped first. :meth:`join` waits for the end. ``None`` samples until
             :meth:`stop`. Default: ``None``.
+        concurrency: samples each worker keeps in flight. Store sources fetch them
+            concurrently (fsspec's async interface on s3, gs and http, threads on local
+            files), so one worker fills at many times one request per round trip; a user
+            source runs concurrently only if it declares it can (see
+            :class:`~growcache.sources.Source`), else one sample at a time. ``1`` draws one
+            sample at a time, as growcache did before. Every sample has its own RNG (see
+            :func:`sample_rng`), so the records drawn do not depend on it. Default: ``32``.
+        max_bytes_in_flight: bytes each worker may hold in samples being fetched or waiting
+            for the shard writer (int or ``"64MiB"``); a sample larger than this is fetched
+            alone. Default: ``"64MiB"``.
 
     Raises:
         CacheFullError: ``shard_size`` is larger than the cache's capacity.
         SchemaError: the cache has no schema.
         TypeError: the source does not pickle.
-        ValueError: ``workers``, ``shard_size`` or ``max_shard_age`` is invalid.
+        ValueError: ``workers``, ``shard_size``, ``max_shard_age``, ``concurrency`` or
+            ``max_bytes_in_flight`` is invalid.
     """
 
     def __init__(
@@ -217,6 +365,8 @@ class SamplerPool:
         seed: int = 0,
         max_restarts: int = 3,
         stop_after: int | None = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        max_bytes_in_flight: int | str = DEFAULT_MAX_BYTES_IN_FLIGHT,
     ) -> None:
         if cache.schema is None:
             raise SchemaError(
@@ -227,6 +377,12 @@ class SamplerPool:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         if max_shard_age is not None and not max_shard_age > 0:
             raise ValueError(f"max_shard_age must be positive seconds or None, got {max_shard_age!r}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 4096:
+            raise ValueError(f"concurrency must be an int from 1 to 4096 (samples in flight per worker), "
+                             f"got {concurrency!r}")
+        max_bytes_in_flight = parse_size(max_bytes_in_flight, name="max_bytes_in_flight")
+        if max_bytes_in_flight < 1:
+            raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight!r}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
         if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)
@@ -272,13 +428,18 @@ class SamplerPool:
         self.seed = int(seed)
         self.max_restarts = max_restarts
         self.stop_after = stop_after
+        self.concurrency = concurrency
+        self.max_bytes_in_flight = max_bytes_in_flight
         self._config = _WorkerConfig(cache, source, self.seed, size, max_shard_age, frame,
-                                     logging.getLogger("growcache").getEffectiveLevel(), stop_after=stop_after)
+                                     logging.getLogger("growcache").getEffectiveLevel(), stop_after=stop_after,
+                                     concurrency=concurrency, max_bytes_in_flight=max_bytes_in_flight,
+                                     shard_records=max(1, min(_MAX_SHARD_RECORDS, size // frame)))
         self._ctx = mp.get_context("spawn")
         self._needs_main = _refers_to_main(pickled)
         self._counters: Any = None
         self._control: Any = None
-        self._quota_lock: _ProcessLock | None = None
+        self._index_lock: _ProcessLock | None = None
+        self._indices: _Indices | None = None
         self._reports_from: list[Any] = [None] * workers  # each worker's report pipe, read end
         self._procs: list[Any] = [None] * workers
         self._restarts = [0] * workers
@@ -323,11 +484,17 @@ class SamplerPool:
         if self._state == "stopped":
             raise RuntimeError("this SamplerPool was stopped; create a new SamplerPool to sample again")
         self._counters = self._ctx.Array("q", self.workers * _NSLOTS, lock=False)
-        self._control = self._ctx.Array("q", 2, lock=False)
-        if self.stop_after is not None:
-            # Records left to sample; workers claim one under the quota lock before each sample.
-            self._control[_QUOTA] = self.stop_after
-            self._quota_lock = _ProcessLock()
+        self._control = self._ctx.Array("q", 4, lock=False)
+        self._control[_END] = -1 if self.stop_after is None else self.stop_after
+        self._index_lock = _ProcessLock()
+        if not isinstance(self.source, ShardSource):
+            slots, cap = self.concurrency, self._config.shard_records
+            row = _OPEN_HEAD + slots + cap
+            held = self._ctx.Array("q", self.workers * row, lock=False)
+            for worker in range(self.workers):
+                held[worker * row + _OPEN_HEAD:worker * row + _OPEN_HEAD + slots] = [-1] * slots
+            returned = self._ctx.Array("q", self.workers * row, lock=False)
+            self._indices = _Indices(self._control, returned, held, self._index_lock, slots, cap)
         self._config = replace(self._config, run=self.cache._next_sampler_run())
         self._started_at = time.monotonic()
         self._state = "running"
@@ -350,7 +517,7 @@ class SamplerPool:
         proc = process_class(
             target=_worker_main,
             args=(self._config, index, self._restarts[index], self._counters, reports_to, self._control,
-                  os.getpid(), self._quota_lock),
+                  os.getpid(), self._indices),
             name=f"growcache-sampler-{index}",
             daemon=True,  # dies with the training process if stop() is never called
         )
@@ -411,8 +578,8 @@ class SamplerPool:
             self._remove_temporaries()
             for index in range(self.workers):
                 self._close_reports(index)
-            if self._quota_lock is not None:
-                self._quota_lock.close()
+            if self._index_lock is not None:
+                self._index_lock.close()
             self._stopped_at = time.monotonic()
             logger.info("sampler pool stopped: %s", self._summary())
         elif self._state == "new":
@@ -445,6 +612,8 @@ class SamplerPool:
         self._drain_events()
         for index, proc in dead:
             proc.join()
+            # Before its temporary goes: whether it is still there tells if a shard got its name.
+            self._refund(index, proc.pid)
             self._remove_temporaries()
             report = self._reports.pop(index, None)
             if report is None and proc.exitcode == 0 and self._counters[index * _NSLOTS + _DONE]:
@@ -452,7 +621,6 @@ class SamplerPool:
                     self._procs[index] = None
                     self._finished.add(index)
                 continue
-            self._refund(index)
             if self._control[_STOP]:
                 with self._lock:
                     self._procs[index] = None
@@ -461,6 +629,11 @@ class SamplerPool:
                 continue
             if report is not None and not report["transient"]:
                 self._fail(index, report)
+                continue
+            if report is not None and not any(self._counters[i * _NSLOTS + _ANSWERED] for i in range(self.workers)):
+                # The store never answered any worker: a wrong endpoint or credentials, not an outage.
+                self._fail(index, {**report, "summary": report["summary"] + " The store never answered this pool, "
+                                   "so it is not restarted: check the URL, endpoint and credentials."})
                 continue
             why = (report["summary"] if report is not None
                    else f"worker {index} (pid {proc.pid}) died with {_exit_reason(proc.exitcode)}")
@@ -486,17 +659,15 @@ class SamplerPool:
                                self.max_restarts, _RESTART_WINDOW_S)
                 self._spawn(index)
 
-    def _refund(self, index: int) -> None:
-        """Return a dead worker's claimed but unpublished records to the ``stop_after`` quota."""
-        if self.stop_after is None:
+    def _refund(self, index: int, pid: int) -> None:
+        """Return the sample indices a dead worker held and did not publish to the pool."""
+        if self._indices is None:
             return
-        base = index * _NSLOTS
-        assert self._quota_lock is not None
-        with self._quota_lock:
-            lost = self._counters[base + _CLAIMED] - self._counters[base + _PUB_RECORDS]
-            if lost > 0:
-                self._control[_QUOTA] += lost
-                self._counters[base + _CLAIMED] -= lost
+        unpublished = any(temp_owner(name) is not None and temp_owner(name)[0] == pid
+                          for name in scan_shards(self.cache.shards_dir).temporaries)
+        returned = self._indices.refund(index, published=not unpublished)
+        if returned:
+            logger.debug("sampler %d died holding %d unpublished samples; they go back to the pool", index, returned)
 
     def _drain_events(self) -> None:
         """Move worker reports from their pipes into ``self._reports`` (latest per worker)."""
@@ -601,7 +772,19 @@ class SamplerPool:
                 for i in range(self.workers)
             ),
             finished=self.stop_after is not None and len(self._finished) == self.workers,
+            requests_in_flight=self._total(_REQUESTS),
+            in_flight_limit=self._total(_LIMIT),
+            latency_p50=self._slowest(_P50_US) / 1e6,
+            latency_p95=self._slowest(_P95_US) / 1e6,
+            latency_p99=self._slowest(_P99_US) / 1e6,
+            throttle_events=self._total(_THROTTLES),
+            peak_bytes_in_flight=self._slowest(_PEAK_INFLIGHT_BYTES),
         )
+
+    def _slowest(self, slot: int) -> int:
+        if self._counters is None:
+            return 0
+        return max(self._counters[i * _NSLOTS + slot] for i in range(self.workers))
 
     @property
     def pids(self) -> list[int]:
@@ -856,7 +1039,7 @@ class _Interrupted(BaseException):
 
 
 def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, reports_to: Any, control: Any,
-                 parent_pid: int, quota_lock: _ProcessLock | None = None) -> None:
+                 parent_pid: int, indices: _Indices | None = None) -> None:
     # Ctrl-C reaches the whole process group: the training process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by _spawn until now
@@ -867,81 +1050,21 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(f"growcache sampler {index} %(levelname)s %(message)s"))
         log.addHandler(handler)
-    base = index * _NSLOTS
 
     def stopping() -> bool:
         # The parent may die without calling stop(): never outlive it.
         return bool(control[_STOP]) or os.getppid() != parent_pid
 
-    def claim() -> bool:
-        """Take one record of the stop_after quota; False when it is used up."""
-        if quota_lock is None:
-            return True
-        with quota_lock:
-            if control[_QUOTA] <= 0:
-                return False
-            control[_QUOTA] -= 1
-            counters[base + _CLAIMED] += 1
-            return True
-
     sampling = _SampleWatch(stopping)
-    writer = None
     source = cfg.source
+    loop: _SampleLoop | None = None
     try:
         if isinstance(source, ShardSource):
             _fetch_shards(cfg, index, counters, stopping)
             return
-        cache, rng = cfg.cache, worker_rng(cfg.seed, index, restart, cfg.run)
-        opened = 0.0
-        sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
-        first = True
-
-        def publish() -> None:
-            nonlocal writer
-            current, writer = writer, None
-            try:
-                info = current.close()
-            except CacheFullError:
-                if not stopping():
-                    raise
-                counters[base + _DISCARDED] += 1  # stopping while leases fill the budget
-                return
-            if info is not None:
-                counters[base + _PUB_RECORDS] += info.records
-                counters[base + _PUB_BYTES] += info.nbytes
-                counters[base + _SHARDS] += 1
-            counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
-
-        while not stopping():
-            if (writer is not None and cfg.max_shard_age is not None
-                    and time.monotonic() - opened + sample_s >= cfg.max_shard_age):
-                publish()
-            if not claim():
-                break
-            start = time.monotonic()
-            try:
-                with sampling:
-                    sample = source(rng)
-            except _Interrupted:
-                break  # stop() came while a store call hung: publish what is written
-            took = time.monotonic() - start
-            sample_s = took if sample_s == 0.0 else 0.8 * sample_s + 0.2 * took
-            if first:
-                _check_first_sample(cache, source, sample)
-                first = False
-            if writer is None:
-                writer = cache.writer(should_stop=stopping)
-                opened = time.monotonic()
-            writer.write(sample)  # validates against the schema
-            counters[base + _RECORDS] += 1
-            counters[base + _BYTES] += cfg.record_frame
-            if writer.nbytes + cfg.record_frame > cfg.shard_size:
-                publish()
-        if writer is not None:
-            publish()  # the shard in progress is finished: published if it fits without waiting
-        counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
-        if cfg.stop_after is not None and not stopping():
-            counters[base + _DONE] = 1  # the quota is used up: the parent does not restart this worker
+        assert indices is not None
+        loop = _SampleLoop(cfg, index, counters, indices.for_worker(index), stopping, sampling)
+        loop.run()
     except _Terminated:
         pass  # the finally below discards the shard in progress
     except BaseException as exc:
@@ -949,9 +1072,186 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
         raise SystemExit(1) from None
     finally:
         sampling.close()
-        if writer is not None:
-            writer.abort()
+        if loop is not None:
+            loop.close()
         reports_to.close()
+
+
+class _SampleLoop:
+    """A worker's loop over samples: claim indices, draw them (up to ``concurrency`` in flight),
+    write them into the shard in progress as they finish, publish by size and age."""
+
+    def __init__(self, cfg: _WorkerConfig, index: int, counters: Any, indices: _Indices,
+                 stopping: Callable[[], bool], sampling: _SampleWatch) -> None:
+        self.cfg, self.counters, self.indices, self.stopping, self.sampling = cfg, counters, indices, stopping, sampling
+        self.base = index * _NSLOTS
+        self.cache = cfg.cache
+        self.source = cfg.source
+        self.writer: Any = None
+        self.opened = 0.0
+        self.first = True
+        self.flow = Flow(cfg.concurrency, cfg.max_bytes_in_flight)
+        self.engine: Any = None
+        self._figures_at = 0.0
+        self._throttles_before = counters[self.base + _THROTTLES]
+        if hasattr(self.source, "store_answered") and any(
+                counters[i * _NSLOTS + _ANSWERED] for i in range(len(counters) // _NSLOTS)):
+            # An earlier sampler of this pool reached the store: an outage now is ridden out.
+            self.source.store_answered = True
+        if cfg.concurrency > 1 and hasattr(self.source, "set_concurrency"):
+            self.source.set_concurrency(cfg.concurrency)
+
+    # -- shards ------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        current, self.writer = self.writer, None
+        counters, base = self.counters, self.base
+        self.indices.publishing(True)
+        try:
+            info = current.close()
+        except CacheFullError:
+            self.indices.publishing(False)
+            if not self.stopping():
+                raise
+            counters[base + _DISCARDED] += 1  # stopping while leases fill the budget
+            self.indices.give_back_shard()
+            return
+        except BaseException:
+            self.indices.publishing(False)  # not renamed: the pool returns its indices
+            raise
+        self.indices.published()
+        if info is not None:
+            counters[base + _PUB_RECORDS] += info.records
+            counters[base + _PUB_BYTES] += info.nbytes
+            counters[base + _SHARDS] += 1
+        counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
+
+    def write(self, slot: int, index: int, sample: Any) -> None:
+        cfg, counters, base = self.cfg, self.counters, self.base
+        if self.first:
+            _check_first_sample(self.cache, self.source, sample)
+            self.first = False
+            counters[base + _ANSWERED] = 1
+        if self.writer is None:
+            self.writer = self.cache.writer(should_stop=self.stopping)
+            self.opened = time.monotonic()
+        self.writer.write(sample)  # validates against the schema
+        self.indices.written(slot, index)
+        counters[base + _RECORDS] += 1
+        counters[base + _BYTES] += cfg.record_frame
+        if (self.writer.nbytes + cfg.record_frame > cfg.shard_size
+                or self.writer.records >= cfg.shard_records):
+            self.publish()
+
+    def old_enough(self, expected_s: float) -> bool:
+        return (self.writer is not None and self.cfg.max_shard_age is not None
+                and time.monotonic() - self.opened + expected_s >= self.cfg.max_shard_age)
+
+    def figures(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._figures_at < 0.5:
+            return
+        self._figures_at = now
+        flow, counters, base = self.flow, self.counters, self.base
+        p50, p95, p99 = flow.latency_percentiles()
+        counters[base + _P50_US], counters[base + _P95_US], counters[base + _P99_US] = (
+            int(p50 * 1e6), int(p95 * 1e6), int(p99 * 1e6))
+        counters[base + _REQUESTS] = flow.requests
+        counters[base + _LIMIT] = flow.allowed()
+        counters[base + _THROTTLES] = self._throttles_before + flow.throttles
+        counters[base + _PEAK_INFLIGHT_BYTES] = max(counters[base + _PEAK_INFLIGHT_BYTES], flow.peak_bytes)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.cfg
+        if cfg.concurrency > 1:
+            self.engine = make_engine(self.source, cfg.concurrency)
+        if self.engine is None:
+            self._run_serial()
+        else:
+            prepare = getattr(self.source, "prepare", None)
+            if prepare is not None:
+                prepare()  # listing is a sync call: never from inside the event loop
+            self._run_concurrent()
+        if self.writer is not None:
+            self.publish()  # the shard in progress is finished: published if it fits without waiting
+        self.figures(force=True)
+        self.counters[self.base + _PEAK_RSS_KB] = _peak_rss_kb()
+        if cfg.stop_after is not None and not self.stopping():
+            self.counters[self.base + _DONE] = 1  # the quota is used up: the parent does not restart it
+
+    def _run_serial(self) -> None:
+        """One sample at a time, in this thread (``concurrency=1``, or a source that is not concurrent)."""
+        cfg, indices = self.cfg, self.indices
+        sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
+        while not self.stopping():
+            if self.old_enough(sample_s):
+                self.publish()
+            index = indices.claim(0)
+            if index is None:
+                break
+            ticket = Ticket(self.flow)
+            token = _TICKET.set(ticket)
+            start = time.monotonic()
+            try:
+                with self.sampling:
+                    sample = self.source(sample_rng(cfg.seed, index, cfg.run))
+            except _Interrupted:
+                break  # stop() came while a store call hung: publish what is written
+            finally:
+                _TICKET.reset(token)
+            took = time.monotonic() - start
+            sample_s = took if sample_s == 0.0 else 0.8 * sample_s + 0.2 * took
+            try:
+                self.write(0, index, sample)
+            finally:
+                ticket.release()
+            self.figures()
+
+    def _run_concurrent(self) -> None:
+        """Up to ``concurrency`` samples in flight; each is written as it finishes."""
+        cfg, indices, engine, flow = self.cfg, self.indices, self.engine, self.flow
+        free = list(range(cfg.concurrency - 1, -1, -1))  # in-flight slots of the index ledger
+        outstanding = 0
+        exhausted = False
+        sample_s = 0.0  # running mean of the time between finished samples
+        last = time.monotonic()
+        while not self.stopping():
+            if self.old_enough(min(sample_s, 1.0)):
+                self.publish()
+            while not exhausted and outstanding < flow.allowed() and free:
+                slot = free.pop()
+                index = indices.claim(slot)
+                if index is None:
+                    free.append(slot)
+                    exhausted = True
+                    break
+                engine.submit(Task(index, sample_rng(cfg.seed, index, cfg.run), slot, Ticket(flow)))
+                outstanding += 1
+            if exhausted and outstanding == 0:
+                break
+            try:
+                task = engine.done.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.figures()
+                continue
+            outstanding -= 1
+            free.append(task.slot)
+            try:
+                if task.error is not None:
+                    raise task.error
+                self.write(task.slot, task.index, task.result)
+            finally:
+                task.ticket.release()
+            now = time.monotonic()
+            sample_s = 0.8 * sample_s + 0.2 * (now - last)
+            last = now
+            self.figures()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # cancels the requests in flight; never waits for them
+        if self.writer is not None:
+            self.writer.abort()
 
 
 def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Callable[[], bool]) -> None:

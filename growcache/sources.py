@@ -60,18 +60,23 @@ class FunctionSource(Source):
     Args:
         fn: a module-level function (or any picklable callable); lambdas and closures do
             not pickle and cannot reach spawned sampler processes.
+        thread_safe: ``fn`` may run in several threads at once, so a sampler with
+            ``concurrency=N`` keeps N calls in flight. Left ``False``, it is called one
+            sample at a time whatever the concurrency. Default: ``False``.
     """
 
-    def __init__(self, fn: Callable[[np.random.Generator], Mapping[str, Any]]) -> None:
+    def __init__(self, fn: Callable[[np.random.Generator], Mapping[str, Any]], *, thread_safe: bool = False) -> None:
         if not callable(fn):
             raise TypeError(f"FunctionSource needs a callable sample(rng) -> dict, got {type(fn).__name__}")
         self.fn = fn
+        self.thread_safe = bool(thread_safe)
 
     def sample(self, rng: np.random.Generator) -> Sample:
         return dict(self.fn(rng))
 
     def __repr__(self) -> str:
-        return f"FunctionSource({getattr(self.fn, '__qualname__', self.fn)!r})"
+        safe = ", thread_safe=True" if self.thread_safe else ""
+        return f"FunctionSource({getattr(self.fn, '__qualname__', self.fn)!r}{safe})"
 
 
 def as_source(source: Source | Callable[[np.random.Generator], Mapping[str, Any]]) -> Source:
@@ -139,7 +144,16 @@ class ObjectSource(StoreSource):
 
     def sample(self, rng: np.random.Generator) -> Sample:
         path = self._choose(rng)
-        data = self._fetch(path)
+        self._claim_bytes(self._size(path))
+        return self._decode(path, self._fetch(path))
+
+    async def sample_async(self, rng: np.random.Generator) -> Sample:
+        """:meth:`sample` through the async filesystem (a sampler with ``concurrency > 1`` calls it)."""
+        path = self._choose(rng)
+        await self._aclaim_bytes(await self._asize(path))
+        return self._decode(path, await self._afetch(path))
+
+    def _decode(self, path: str, data: bytes) -> Sample:
         try:
             result = self.decoder(data, path)
         except GrowcacheError:
@@ -236,8 +250,26 @@ class NpyWindowSource(StoreSource):
         cached = self._headers.get(path)
         if cached is not None:
             return cached
-        url = self._url(path)
         head = self._fetch(path, 0, self.header_bytes)
+        more = self._header_length(path, head)
+        if more > len(head):  # a rare long header: read the rest of it
+            head += self._fetch(path, len(head), more)
+        return self._parse_header(path, head)
+
+    async def aheader(self, path: str) -> NpyHeader:
+        """:meth:`header` in the sampler's event loop (concurrent first reads may read it twice)."""
+        cached = self._headers.get(path)
+        if cached is not None:
+            return cached
+        head = await self._afetch(path, 0, self.header_bytes)
+        more = self._header_length(path, head)
+        if more > len(head):
+            head += await self._afetch(path, len(head), more)
+        return self._parse_header(path, head)
+
+    def _header_length(self, path: str, head: bytes) -> int:
+        """How many bytes from the start of the file the header takes (its magic and length checked)."""
+        url = self._url(path)
         if len(head) < 10 or not head.startswith(_NPY_MAGIC):
             raise SourceError(f"{url} is not a .npy file (no NUMPY magic). Give .npy files saved with numpy.save.")
         major = head[6]
@@ -250,8 +282,13 @@ class NpyWindowSource(StoreSource):
         if hlen > _MAX_NPY_HEADER:
             raise SourceError(f"{url} has a .npy header of {hlen} bytes, more than {_MAX_NPY_HEADER}: it is damaged "
                               "or not an array growcache can sample. Re-save it with numpy.save.")
-        if hstart + hlen > len(head):  # a rare long header: read the rest of it
-            head += self._fetch(path, len(head), hstart + hlen)
+        return hstart + hlen
+
+    def _parse_header(self, path: str, head: bytes) -> NpyHeader:
+        url = self._url(path)
+        major = head[6]
+        hstart = 10 if major == 1 else 12
+        hlen = self._header_length(path, head) - hstart
         try:
             # Parsed here for every version: numpy's own readers differ between its releases
             # (version 3.0 has no public one) and refuse headers past 10,000 bytes.
@@ -284,10 +321,25 @@ class NpyWindowSource(StoreSource):
     def sample(self, rng: np.random.Generator) -> Sample:
         path = self._choose(rng)
         header = self.header(path)
+        first, start, end = self._window(header, rng)
+        self._claim_bytes(end - start)
+        return self._unpack(path, header, first, start, end, self._fetch(path, start, end))
+
+    async def sample_async(self, rng: np.random.Generator) -> Sample:
+        """:meth:`sample` through the async filesystem (a sampler with ``concurrency > 1`` calls it)."""
+        path = self._choose(rng)
+        header = await self.aheader(path)
+        first, start, end = self._window(header, rng)
+        await self._aclaim_bytes(end - start)
+        return self._unpack(path, header, first, start, end, await self._afetch(path, start, end))
+
+    def _window(self, header: NpyHeader, rng: np.random.Generator) -> tuple[int, int, int]:
+        """The first row of a random window, and the byte range of its rows."""
         first = int(rng.integers(header.rows - self.window + 1))
         start = header.data_offset + first * header.row_bytes
-        end = start + self.window * header.row_bytes
-        data = self._fetch(path, start, end)
+        return first, start, start + self.window * header.row_bytes
+
+    def _unpack(self, path: str, header: NpyHeader, first: int, start: int, end: int, data: bytes) -> Sample:
         if len(data) != end - start:
             raise SourceError(
                 f"{self._url(path)} returned {len(data)} bytes for rows {first}-{first + self.window}, expected "

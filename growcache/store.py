@@ -8,8 +8,11 @@ build on it; it depends on none of them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import random
+import threading
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ._retry import Redactor, RetryPolicy, describe_error, is_stall, is_transient
+from ._concurrent import current_ticket
+from ._retry import Redactor, RetryPolicy, describe_error, is_stall, is_throttle, is_transient
 from .errors import GrowcacheError, MissingExtraError, SourceError, TransientSourceError
 
 __all__ = ["Sample", "Source", "StoreSource"]
@@ -36,7 +40,26 @@ class Source:
 
     Subclasses implement :meth:`sample`. A source must pickle: the sampler pool sends it
     to spawned worker processes.
+
+    With ``SamplerPool(..., concurrency=N)``, a source runs concurrently only if it says it
+    can, in one of three ways (checked in this order):
+
+    * ``async def sample_async(self, rng)``: up to N coroutines in flight on one event loop;
+    * ``def sample_many(self, rngs)``: one call with up to N RNGs, returning one sample each,
+      in their order;
+    * ``thread_safe = True`` (a class attribute, or ``FunctionSource(fn, thread_safe=True)``):
+      up to N threads call :meth:`sample` at once.
+
+    Otherwise it runs one sample at a time, as with ``concurrency=1``. Whichever way, each
+    sample gets its own RNG, so which samples are drawn does not depend on the order they
+    finish in.
+
+    Attributes:
+        thread_safe: :meth:`sample` may be called from several threads at once.
+            Default: ``False``.
     """
+
+    thread_safe: bool = False
 
     def sample(self, rng: np.random.Generator) -> Sample:
         """Return one sample, drawn with ``rng``, as a dict of feature name -> array."""
@@ -76,6 +99,13 @@ class StoreSource(Source):
         self._fs_pid: int | None = None
         self._protocol: str = ""
         self._paths: list[str] | None = None
+        self._sizes: dict[str, int] = {}  # object sizes the listing gave
+        self._lock = threading.RLock()
+        self._pool_connections: int | None = None  # requests a sampler keeps in flight, set by it
+        self._outage_since: float | None = None
+        #: The store answered a request of this process (or of an earlier sampler of its pool):
+        #: an outage from now on is ridden out under ``retry.outage_budget``.
+        self.store_answered = False
         #: Bytes, requests and retries of this process (for tests and stats).
         self.bytes_fetched = 0
         self.requests = 0
@@ -84,8 +114,37 @@ class StoreSource(Source):
     # -- pickling: the filesystem (sockets, event loop threads) never travels ----------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0)
+        state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0, _lock=None,
+                     _outage_since=None, store_answered=False)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _count(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+        # Concurrent samples share these counters: `+=` on an attribute is not atomic.
+        with self._lock:
+            self.requests += requests
+            self.bytes_fetched += nbytes
+            self.retries += retries
+
+    def set_concurrency(self, requests: int) -> None:
+        """Size the store client's connection pool for ``requests`` in flight (before first use).
+
+        s3fs keeps 10 connections unless ``config_kwargs={"max_pool_connections": N}`` says
+        otherwise; a value the user set in ``storage_options`` is kept.
+        """
+        self._pool_connections = max(1, int(requests))
+
+    def concurrent_mode(self) -> str:
+        """How a sampler runs this source's samples concurrently: ``"async"`` on an async
+        filesystem (one event loop, fsspec's ``_cat_file``), ``"threads"`` on a sync one."""
+        return "async" if getattr(self.fs, "async_impl", False) else "threads"
+
+    def prepare(self) -> None:
+        """Make the filesystem and list the paths now, from a thread outside the event loop."""
+        self.paths()
 
     def __repr__(self) -> str:
         url = self.urls[0] if len(self.urls) == 1 else self.urls
@@ -110,29 +169,35 @@ class StoreSource(Source):
         leave them unset.
         """
         if self._fs is None or self._fs_pid != os.getpid():
-            import fsspec.core
-
-            protocol = self.urls[0].split("://", 1)[0].lower() if "://" in self.urls[0] else "file"
-            try:
-                options = _client_options(protocol, self._storage_options, self.retry)
-                fs, _ = fsspec.core.url_to_fs(self.urls[0], skip_instance_cache=True, **options)
-            except ImportError as exc:
-                extra = _EXTRAS.get(protocol)
-                hint = f"pip install 'growcache[{extra}]'" if extra else f"install the fsspec backend of {protocol}://"
-                raise MissingExtraError(self._redact(f"reading {self.urls[0]} needs a package: {exc}. {hint}")) from exc
-            except (TypeError, ValueError) as exc:
-                raise SourceError(self._redact(
-                    f"cannot open {self.urls[0]} with storage_options "
-                    f"{self._redact.options_repr(self._storage_options)}: {exc}"
-                )) from exc
-            if protocol in _S3 and isinstance(getattr(fs, "retries", None), int):
-                fs.retries = 1  # s3fs retries each request 5 times on its own; RetryPolicy alone retries
-            if protocol in _GCS:
-                _without_gcsfs_retries(fs)
-            self._fs, self._fs_pid = fs, os.getpid()
-            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-            self._protocol = protocol
+            with self._lock:
+                if self._fs is None or self._fs_pid != os.getpid():
+                    self._make_fs()
         return self._fs
+
+    def _make_fs(self) -> None:
+        """Assumes you hold ``self._lock``."""
+        import fsspec.core
+
+        protocol = self.urls[0].split("://", 1)[0].lower() if "://" in self.urls[0] else "file"
+        try:
+            options = _client_options(protocol, self._storage_options, self.retry, self._pool_connections)
+            fs, _ = fsspec.core.url_to_fs(self.urls[0], skip_instance_cache=True, **options)
+        except ImportError as exc:
+            extra = _EXTRAS.get(protocol)
+            hint = f"pip install 'growcache[{extra}]'" if extra else f"install the fsspec backend of {protocol}://"
+            raise MissingExtraError(self._redact(f"reading {self.urls[0]} needs a package: {exc}. {hint}")) from exc
+        except (TypeError, ValueError) as exc:
+            raise SourceError(self._redact(
+                f"cannot open {self.urls[0]} with storage_options "
+                f"{self._redact.options_repr(self._storage_options)}: {exc}"
+            )) from exc
+        if protocol in _S3 and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = 1  # s3fs retries each request 5 times on its own; RetryPolicy alone retries
+        if protocol in _GCS:
+            _without_gcsfs_retries(fs)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self._protocol = protocol
+        self._fs, self._fs_pid = fs, os.getpid()
 
     def _url(self, path: str) -> str:
         """The URL of a store path, for messages (credentials removed)."""
@@ -142,48 +207,184 @@ class StoreSource(Source):
         return self._redact(path if bare else f"{self._protocol}://{path}")
 
     def _io(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
-        """Run one store call with retries; turn store errors into growcache errors."""
-        attempts = 1
-        start = time.monotonic()
+        """Run one store call with retries; turn store errors into growcache errors.
 
-        def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
-            nonlocal attempts
-            attempts = attempt + 1
-            self.retries += 1
-            # DEBUG: a store that recovers needs no line per retry; one that does not gets one error.
-            logger.debug("%s %s failed (attempt %d of %d): %s; retrying in %.2f s", what, url, attempt,
-                         self.retry.attempts, self._redact(describe_error(exc)), delay)
+        Three layers: the :class:`RetryPolicy`'s tries; the in-flight limit of the sampler
+        (told of each throttled try); and, once the store has answered, the outage budget.
+        """
+        attempts = _Attempts(self, what, url)
+        while True:
+            try:
+                return self._timed(fn)
+            except GrowcacheError:
+                raise
+            except Exception as exc:
+                pause = attempts.pause_after(exc)
+            time.sleep(pause)
 
+    async def _aio(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
+        """:meth:`_io` for a coroutine function ``fn``, in the event loop of the sampler."""
+        attempts = _Attempts(self, what, url)
+        while True:
+            try:
+                return await self._atimed(fn)
+            except GrowcacheError:
+                raise
+            except Exception as exc:
+                pause = attempts.pause_after(exc)
+            await asyncio.sleep(pause)
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        ticket = current_ticket()
+        if ticket is not None:
+            ticket.flow.request_started()
+        began, latency = time.monotonic(), None
         try:
-            return self.retry.call(fn, on_retry=on_retry)
-        except GrowcacheError:
-            raise
-        except Exception as exc:
-            detail = self._redact(describe_error(exc))
-            if is_transient(exc):
-                stalled = (f" The store sent no bytes for {self.retry.stall_timeout:g} s (stall_timeout)."
-                           if is_stall(exc) else "")
-                raise TransientSourceError(
-                    f"{what} {url} kept failing after {attempts} attempt{'s' if attempts != 1 else ''} in "
-                    f"{time.monotonic() - start:.1f} s: "
-                    f"{detail}.{stalled} The store is unreachable, silent, throttling or failing: check the "
-                    "endpoint and network, or allow more time with retry=RetryPolicy(attempts=..., deadline=...) "
-                    "(growcache sample: --retries, --retry-deadline)."
-                ) from exc
-            raise SourceError(f"{what} {url} failed: {detail}. {_hint(exc)}") from exc
+            result = fn()
+            latency = time.monotonic() - began
+        finally:
+            if ticket is not None:
+                ticket.flow.request_ended(latency)
+        self._answered()
+        return result
+
+    async def _atimed(self, fn: Callable[[], Any]) -> Any:
+        ticket = current_ticket()
+        if ticket is not None:
+            ticket.flow.request_started()
+        began, latency = time.monotonic(), None
+        try:
+            result = await fn()
+            latency = time.monotonic() - began
+        finally:
+            if ticket is not None:
+                ticket.flow.request_ended(latency)
+        self._answered()
+        return result
+
+    def _on_retry(self, what: str, url: str, exc: BaseException, attempt: int, delay: float) -> None:
+        self._count(retries=1)
+        detail = self._redact(describe_error(exc))
+        ticket = current_ticket()
+        if ticket is not None and is_throttle(exc):
+            ticket.flow.throttled(url, detail)
+        # DEBUG: a store that recovers needs no line per retry; one that does not gets one error.
+        logger.debug("%s %s failed (attempt %d of %d): %s; retrying in %.2f s", what, url, attempt,
+                     self.retry.attempts, detail, delay)
+
+    # -- outages -------------------------------------------------------------------------------
+    def _answered(self) -> None:
+        self.store_answered = True
+        if self._outage_since is not None:
+            with self._lock:
+                since, self._outage_since = self._outage_since, None
+            if since is not None:
+                logger.warning("%s answers again: the outage lasted %.0f s", self._redact(self.urls[0]),
+                               time.monotonic() - since)
+
+    def _rides_out(self, exc: BaseException) -> bool:
+        return is_transient(exc) and self.store_answered and self.retry.outage_budget > 0
+
+    def _outage_begins(self, url: str, exc: BaseException) -> float:
+        """When the outage began (logged once, by the first request that sees it)."""
+        with self._lock:
+            if self._outage_since is not None:
+                return self._outage_since
+            self._outage_since = since = time.monotonic()
+        logger.warning(
+            "%s is failing (%s: %s): riding the outage out for up to %.0f s (RetryPolicy.outage_budget); the cache "
+            "keeps serving training meanwhile", self._redact(self.urls[0]), url, self._redact(describe_error(exc)),
+            self.retry.outage_budget)
+        return since
+
+    def _outage_pause(self, since: float) -> float | None:
+        """Seconds to wait before the next try of an outage, or ``None`` once the budget is spent."""
+        left = self.retry.outage_budget - (time.monotonic() - since)
+        if left <= 0:
+            return None
+        cap = max(self.retry.max_delay, 0.05)
+        return min(left, random.uniform(cap / 2, cap))
+
+    def _outage_failure(self, what: str, url: str, exc: BaseException, since: float) -> TransientSourceError:
+        return TransientSourceError(
+            f"{what} {url} failed: the store has not answered for {time.monotonic() - since:.0f} s, longer than "
+            f"the outage budget of {self.retry.outage_budget:g} s: {self._redact(describe_error(exc))}. Check the "
+            "store, or allow longer outages with retry=RetryPolicy(outage_budget=...)."
+        )
+
+    def _failure(self, what: str, url: str, exc: BaseException, attempts: int, start: float) -> GrowcacheError:
+        detail = self._redact(describe_error(exc))
+        if is_transient(exc):
+            stalled = (f" The store sent no bytes for {self.retry.stall_timeout:g} s (stall_timeout)."
+                       if is_stall(exc) else "")
+            never = "" if self.store_answered else " The store has not answered once."
+            return TransientSourceError(
+                f"{what} {url} kept failing after {attempts} attempt{'s' if attempts != 1 else ''} in "
+                f"{time.monotonic() - start:.1f} s: "
+                f"{detail}.{stalled}{never} The store is unreachable, silent, throttling or failing: check the "
+                "endpoint and network, or allow more time with retry=RetryPolicy(attempts=..., deadline=...) "
+                "(growcache sample: --retries, --retry-deadline)."
+            )
+        return SourceError(f"{what} {url} failed: {detail}. {_hint(exc)}")
 
     def _fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         fs = self.fs
         url = self._url(path)
 
         def read() -> bytes:
-            self.requests += 1
+            self._count(requests=1)
             data = fs.cat_file(path, start=start, end=end)
-            self.bytes_fetched += len(data)
+            self._count(nbytes=len(data))
             return data
 
         what = "reading" if start is None else f"reading bytes {start}-{end} of"
         return self._io(what, url, read)
+
+    async def _afetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """:meth:`_fetch` through the async filesystem's ``_cat_file``, in the sampler's event loop."""
+        fs = self.fs
+        url = self._url(path)
+
+        async def read() -> bytes:
+            self._count(requests=1)
+            data = await fs._cat_file(path, start=start, end=end)
+            self._count(nbytes=len(data))
+            return data
+
+        what = "reading" if start is None else f"reading bytes {start}-{end} of"
+        return await self._aio(what, url, read)
+
+    # -- the byte budget of a sampler's samples in flight -------------------------------------
+    def _claim_bytes(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit in the sampler's bytes in flight, then hold them."""
+        ticket = current_ticket()
+        if ticket is not None:
+            ticket.acquire(nbytes)
+
+    async def _aclaim_bytes(self, nbytes: int) -> None:
+        ticket = current_ticket()
+        if ticket is not None:
+            await ticket.acquire_async(nbytes)
+
+    def _size(self, path: str) -> int:
+        """The size of object ``path``: from the listing, else asked once (only by a concurrent sampler,
+        whose byte budget needs it before the fetch)."""
+        size = self._sizes.get(path)
+        ticket = current_ticket()
+        if size is None and ticket is not None and ticket.flow.concurrency > 1:
+            fs = self.fs
+            size = int(self._io("sizing", self._url(path), lambda: fs.size(path)) or 0)
+            self._sizes[path] = size
+        return size or 0
+
+    async def _asize(self, path: str) -> int:
+        size = self._sizes.get(path)
+        if size is None:
+            fs = self.fs
+            info = await self._aio("sizing", self._url(path), lambda: fs._info(path))
+            size = int(info.get("size") or 0)
+            self._sizes[path] = size
+        return size
 
     def paths(self) -> list[str]:
         """The store paths this source samples from, sorted (listed once per process).
@@ -192,13 +393,23 @@ class StoreSource(Source):
             SourceError: the glob matches nothing, or the bucket or directory is missing.
         """
         if self._paths is None:
+            with self._lock:
+                return self._list()
+        return self._paths
+
+    def _list(self) -> list[str]:
+        """Assumes you hold ``self._lock``."""
+        if self._paths is None:
             fs = self.fs
             found: set[str] = set()
             for url in self.urls:
                 path = fs._strip_protocol(url)
                 if _GLOB_CHARS & set(path):
                     listing = self._io("listing", self._redact(url), lambda p=path: fs.glob(p, detail=True))
-                    found.update(p for p, info in listing.items() if info.get("type", "file") != "directory")
+                    files = {p: info for p, info in listing.items() if info.get("type", "file") != "directory"}
+                    found.update(files)
+                    self._sizes.update({p: int(info["size"]) for p, info in files.items()
+                                        if isinstance(info.get("size"), int) and info["size"] >= 0})
                 else:
                     found.add(path)
             if not found:
@@ -215,6 +426,37 @@ class StoreSource(Source):
 
     def check(self) -> None:
         self.paths()
+
+
+class _Attempts:
+    """The tries of one store call: the retry policy's, then an outage's (see :meth:`StoreSource._io`)."""
+
+    def __init__(self, source: StoreSource, what: str, url: str) -> None:
+        self.source, self.what, self.url = source, what, url
+        self.delays = source.retry.delays()
+        self.start = time.monotonic()
+        self.attempt = 0
+        self.outage_since: float | None = None
+
+    def pause_after(self, exc: Exception) -> float:
+        """Seconds to wait before the next try after ``exc``; raises the error that ends the call."""
+        source, retry = self.source, self.source.retry
+        self.attempt += 1
+        if not is_transient(exc):
+            raise source._failure(self.what, self.url, exc, self.attempt, self.start) from exc
+        if self.outage_since is None:
+            delay = next(self.delays, None)
+            if delay is not None and (retry.deadline is None
+                                      or time.monotonic() - self.start + delay <= retry.deadline):
+                source._on_retry(self.what, self.url, exc, self.attempt, delay)
+                return delay
+            if not source._rides_out(exc):
+                raise source._failure(self.what, self.url, exc, self.attempt, self.start) from exc
+            self.outage_since = source._outage_begins(self.url, exc)
+        pause = source._outage_pause(self.outage_since)
+        if pause is None:
+            raise source._outage_failure(self.what, self.url, exc, self.outage_since) from exc
+        return pause
 
 
 _S3 = frozenset({"s3", "s3a"})
@@ -235,8 +477,10 @@ def _without_gcsfs_retries(fs: Any) -> None:
         fs._request = types.MethodType(plain, fs)
 
 
-def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
-    """``storage_options`` with the store client's timeouts and retries taken from ``retry``.
+def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: RetryPolicy,
+                    connections: int | None = None) -> dict[str, Any]:
+    """``storage_options`` with the store client's timeouts and retries taken from ``retry``,
+    and the connection pool sized for ``connections`` requests in flight.
 
     Explicit options always win: a key the user set is never overridden. Only the
     clients growcache knows are configured: botocore (s3), aiohttp (gs, http, https).
@@ -249,6 +493,8 @@ def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: Re
         config.setdefault("read_timeout", stall)
         # botocore retries a refused connection 4 times with backoff on its own.
         config.setdefault("retries", {"total_max_attempts": 1})
+        if connections is not None and connections > 10:  # botocore's default pool holds 10
+            config.setdefault("max_pool_connections", connections)
         options["config_kwargs"] = config
     elif protocol in _GCS or protocol in ("http", "https"):
         import aiohttp

@@ -1,0 +1,360 @@
+"""Many samples in flight in one sampler process: the in-flight limit, the byte budget and the engines.
+
+A sampler process runs its samples in one of four ways (:func:`make_engine` picks):
+
+* one at a time in its main thread (``concurrency=1``, or a user source that did not
+  declare itself safe to run concurrently): the behaviour of growcache before concurrency;
+* as tasks of one asyncio event loop (fsspec's I/O loop of the process): store sources on
+  async filesystems (s3, gs, http) and user sources with ``async def sample_async(rng)``;
+* in threads: store sources on sync filesystems (local files) and user sources declared
+  ``thread_safe``;
+* in batches handed to ``sample_many(rngs)``.
+
+Each sample carries a :class:`Ticket`, which the store sources find through a context
+variable: its requests count against the process's :class:`Flow` (requests in flight,
+latency, throttling) and its bytes against the byte budget until the sampler has written
+the sample into its shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("growcache.sampler")
+
+DEFAULT_MAX_BYTES_IN_FLIGHT = 256 * 2**20
+# The in-flight limit is halved at most once per this many seconds: the requests in flight when
+# a store first throttles all fail together, and one cut answers all of them.
+_CUT_INTERVAL_S = 0.25
+_LATENCIES = 2048  # latencies kept for the percentiles (a window, so RSS stays flat)
+
+
+class Flow:
+    """Requests of one sampler process: the in-flight limit (AIMD), the byte budget and the figures.
+
+    The limit starts at ``concurrency``. A throttled request (HTTP 429/503, SlowDown) or a
+    dropped connection halves it (multiplicative decrease, at most once per 0.25 s); every
+    answered request adds ``1/limit`` back (additive increase: one more per round of answers),
+    up to ``concurrency``. Thread-safe; the async waiters of the byte budget are woken on
+    their own loop.
+    """
+
+    def __init__(self, concurrency: int, max_bytes_in_flight: int) -> None:
+        self.concurrency = concurrency
+        self.max_bytes = max_bytes_in_flight
+        self.limit = float(concurrency)
+        self.requests = 0  # requests in flight now
+        self.bytes = 0  # bytes claimed by samples not yet written
+        self.peak_bytes = 0
+        self.throttles = 0
+        self.answered = 0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=_LATENCIES)
+        self._last_cut = 0.0
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._warned_throttle = False
+
+    # -- in-flight limit -----------------------------------------------------------------------
+    def allowed(self) -> int:
+        return max(1, int(self.limit))
+
+    def throttled(self, url: str, detail: str) -> None:
+        with self._cond:
+            self.throttles += 1
+            now = time.monotonic()
+            cut = now - self._last_cut >= _CUT_INTERVAL_S and self.limit > 1
+            if cut:
+                self.limit = max(1.0, self.limit / 2)
+                self._last_cut = now
+            first, self._warned_throttle = not self._warned_throttle, True
+        if first:
+            logger.warning("the store throttles or drops connections (first: %s: %s); cutting the requests in flight "
+                           "of this sampler to %d, then growing them back as requests succeed", url, detail,
+                           self.allowed())
+
+    def request_started(self) -> None:
+        with self._cond:
+            self.requests += 1
+
+    def request_ended(self, latency: float | None) -> None:
+        """A request ended; ``latency`` is given when the store answered it."""
+        with self._cond:
+            self.requests -= 1
+            if latency is not None:
+                self.answered += 1
+                self._latencies.append(latency)
+                if self.limit < self.concurrency:
+                    self.limit = min(float(self.concurrency), self.limit + 1.0 / self.limit)
+
+    def latency_percentiles(self) -> tuple[float, float, float]:
+        """p50, p95 and p99 of the recent request latencies, in seconds (zeros before any)."""
+        with self._cond:
+            recent = list(self._latencies)
+        if not recent:
+            return 0.0, 0.0, 0.0
+        p50, p95, p99 = np.percentile(np.asarray(recent), [50, 95, 99])
+        return float(p50), float(p95), float(p99)
+
+    # -- byte budget ---------------------------------------------------------------------------
+    def _fits(self, nbytes: int) -> bool:
+        # One sample larger than the whole budget is still fetched: alone.
+        return self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
+
+    def _take(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            while not self._fits(nbytes):
+                self._cond.wait(0.5)
+            self._take(nbytes)
+
+    async def acquire_async(self, nbytes: int) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._fits(nbytes):
+                    self._take(nbytes)
+                    return
+                waiter = loop.create_future()
+                self._waiters.append((loop, waiter))
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    def release(self, nbytes: int) -> None:
+        if not nbytes:
+            return
+        with self._cond:
+            self.bytes -= nbytes
+            waiters, self._waiters = self._waiters, []
+            self._cond.notify_all()
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(_wake, waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+@dataclass
+class Ticket:
+    """One sample's claim on its process's :class:`Flow`: the bytes it holds until written."""
+
+    flow: Flow
+    nbytes: int = 0
+
+    def acquire(self, nbytes: int) -> None:
+        self.flow.acquire(nbytes)
+        self.nbytes += nbytes
+
+    async def acquire_async(self, nbytes: int) -> None:
+        await self.flow.acquire_async(nbytes)
+        self.nbytes += nbytes
+
+    def release(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        self.flow.release(nbytes)
+
+
+_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("growcache_ticket", default=None)
+
+
+def current_ticket() -> Ticket | None:
+    """The ticket of the sample this thread or task is drawing, if a sampler runs it."""
+    return _TICKET.get()
+
+
+@dataclass
+class Task:
+    """One sample to draw: its global index, its RNG, its in-flight slot and its ticket."""
+
+    index: int
+    rng: np.random.Generator
+    slot: int
+    ticket: Ticket
+    result: Any = None
+    error: BaseException | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Runs tasks concurrently; finished tasks go to ``done`` (a queue the sampler drains)."""
+
+    def __init__(self, source: Any, concurrency: int) -> None:
+        self.source = source
+        self.concurrency = concurrency
+        self.done: queue.SimpleQueue[Task] = queue.SimpleQueue()
+
+    def submit(self, task: Task) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Cancel what is in flight, without waiting for it."""
+
+
+class AsyncEngine(Engine):
+    """Tasks of one event loop: fsspec's I/O loop of this process (the async filesystems' own)."""
+
+    def __init__(self, source: Any, concurrency: int) -> None:
+        super().__init__(source, concurrency)
+        import fsspec.asyn
+
+        self._loop = fsspec.asyn.get_loop()
+        self._futures: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, task: Task) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._run(task), self._loop)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: Any) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    async def _run(self, task: Task) -> None:
+        _TICKET.set(task.ticket)
+        try:
+            task.result = await self.source.sample_async(task.rng)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the sampler, which reports it
+            task.error = exc
+        self.done.put(task)
+
+    def close(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            future.cancel()
+
+
+class ThreadEngine(Engine):
+    """Daemon threads (never joined at exit: a stopped sampler does not wait for a slow store)."""
+
+    def __init__(self, source: Any, concurrency: int) -> None:
+        super().__init__(source, concurrency)
+        self._todo: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve, name=f"growcache-sample-{n}", daemon=True)
+                         for n in range(concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, task: Task) -> None:
+        self._todo.put(task)
+
+    def _serve(self) -> None:
+        while True:
+            task = self._todo.get()
+            if task is None:
+                return
+            _TICKET.set(task.ticket)
+            try:
+                task.result = self.source(task.rng)
+            except BaseException as exc:  # noqa: BLE001 - handed to the sampler, which reports it
+                task.error = exc
+            self.done.put(task)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._todo.put(None)
+
+
+class BatchEngine(Engine):
+    """One thread that hands every task waiting to the source's ``sample_many(rngs)`` at once."""
+
+    def __init__(self, source: Any, concurrency: int) -> None:
+        super().__init__(source, concurrency)
+        self._todo: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="growcache-sample-many", daemon=True).start()
+
+    def submit(self, task: Task) -> None:
+        self._todo.put(task)
+
+    def _serve(self) -> None:
+        while True:
+            first = self._todo.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.concurrency:
+                try:
+                    task = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                if task is None:
+                    self._todo.put(None)
+                    break
+                batch.append(task)
+            _TICKET.set(batch[0].ticket)
+            try:
+                results = list(self.source.sample_many([t.rng for t in batch]))
+                if len(results) != len(batch):
+                    raise ValueError(f"sample_many was given {len(batch)} RNGs and returned {len(results)} samples; "
+                                     "it must return one sample per RNG, in their order")
+                for task, result in zip(batch, results):
+                    task.result = result
+            except BaseException as exc:  # noqa: BLE001 - handed to the sampler, which reports it
+                for task in batch:
+                    task.error = exc
+            for task in batch:
+                self.done.put(task)
+
+    def close(self) -> None:
+        self._todo.put(None)
+
+
+def _defines(source: Any, name: str) -> bool:
+    """True if ``source`` has a method ``name`` (the :class:`~growcache.sources.Source` base defines none)."""
+    return callable(getattr(type(source), name, None))
+
+
+_warned_serial = False
+
+
+def make_engine(source: Any, concurrency: int) -> Engine | None:
+    """The engine that runs ``source`` with ``concurrency`` samples in flight, or ``None`` for one at a time.
+
+    Store sources declare their mode (:meth:`~growcache.store.StoreSource.concurrent_mode`);
+    a user source runs concurrently only if it says it can, never by surprise.
+    """
+    global _warned_serial
+    if concurrency <= 1:
+        return None
+    mode: Callable[[], str] | None = getattr(source, "concurrent_mode", None)
+    if mode is not None:
+        how = mode()
+        if how == "async":
+            return AsyncEngine(source, concurrency)
+        if how == "threads":
+            return ThreadEngine(source, concurrency)
+    if _defines(source, "sample_async"):
+        return AsyncEngine(source, concurrency)
+    if _defines(source, "sample_many"):
+        return BatchEngine(source, concurrency)
+    if getattr(source, "thread_safe", False):
+        return ThreadEngine(source, concurrency)
+    if not _warned_serial:
+        _warned_serial = True
+        logger.info(
+            "%s draws one sample at a time although concurrency=%d: it did not declare itself safe to call "
+            "concurrently. Wrap it as FunctionSource(fn, thread_safe=True) if it is, or give the source "
+            "'async def sample_async(rng)' or 'sample_many(rngs)' (see docs/api.md, Concurrent sampling).",
+            source.redact(repr(source)), concurrency)
+    return None
