@@ -238,6 +238,9 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tfrecord: cut files into cache shards of at most N records (--shard-size cuts by size)")
     p.add_argument("--capacity", type=_size_arg, default=None, help="byte budget, e.g. 500GB (default: the stored one)")
     p.add_argument("--workers", type=int, default=1, help="sampler processes (default: 1)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="samples each sampler process keeps in flight: concurrent range requests to the store "
+                        "(default: SamplerPool's, 32; 1 = one request at a time)")
     p.add_argument("--window", type=int, default=None,
                    help="rows per sample: random windows of .npy arrays read by byte range (default: whole objects)")
     p.add_argument("--feature", default=None, help="feature name of the sampled array (default: x)")
@@ -440,8 +443,12 @@ def run_sample_command(args: Any) -> int:
     else:
         source, cache = _open_sample_source(args, options, shape, seed)
     _check_shard_size(shard_size, cache.capacity)
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
     pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
-                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed, stop_after=target)
+                       max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed, stop_after=target,
+                       **({} if concurrency is None else {"concurrency": concurrency}))
     interrupted = False
     with _progress(args, "sample", total=target, unit="rec") as progress:
         try:

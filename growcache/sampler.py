@@ -309,6 +309,23 @@ class SamplerPool:
             pool.wait_for(records=10_000, timeout=600)
             train(...)
 
+    Concurrent sampling: each worker keeps up to ``concurrency`` samples in flight. The store
+    sources (:class:`~growcache.sources.NpyWindowSource`, :class:`~growcache.sources.ObjectSource`)
+    run them as tasks of one event loop (fsspec's ``_cat_file``) on s3, gs and http, and in
+    threads on local files. A user source runs concurrently only if it declares how, checked
+    in this order: ``async def sample_async(self, rng)`` (tasks of one event loop);
+    ``def sample_many(self, rngs)`` (one call with up to ``concurrency`` RNGs, one sample
+    back per RNG, in order); ``thread_safe = True`` (``FunctionSource(fn, thread_safe=True)``:
+    threads call it at once). Any other source is called one sample at a time, and the log
+    says once how to enable concurrency. Each sample's RNG comes from (seed, run, a global
+    sample index the workers claim from the pool), see :func:`sample_rng`; records are
+    written in the order they finish. Each store request is retried under the source's
+    :class:`~growcache.sources.RetryPolicy`; throttling (HTTP 429/503, SlowDown) and dropped
+    connections halve the samples in flight, which then grow back by one per round of
+    answers; an outage of a store that answered before is ridden out for
+    ``RetryPolicy.outage_budget`` seconds (default 10 minutes) while training reads the
+    cache. :meth:`stop` cancels the requests in flight without waiting for them.
+
     Args:
         cache: the cache to grow; it must have a schema. Every sample is validated
             against it.
