@@ -22,6 +22,8 @@ import socket
 import threading
 import time
 
+from .errors import GrowcacheError
+
 logger = logging.getLogger(__name__)
 
 #: Seconds without a heartbeat after which another machine's lease or temporary is dead.
@@ -91,11 +93,26 @@ def this_host() -> str:
     return hashlib.sha1((f"node:{node}/{table}" if node else table).encode()).hexdigest()[:8]
 
 
-def owner_expiry() -> float:
-    """Seconds after its last heartbeat that another machine's owner counts as dead.
+#: The range an owner expiry may take, in seconds: below half a second the heartbeat thread would
+#: spin (it beats six times per expiry); above a day a dead owner's files would outlive any job.
+MIN_OWNER_EXPIRY_S, MAX_OWNER_EXPIRY_S = 0.5, 86400.0
 
-    ``$GROWCACHE_OWNER_EXPIRY`` overrides the default of 60 s. Every process using a cache
-    must agree on it, since it also sets the heartbeat interval (:func:`heartbeat_interval`).
+
+class SettingError(GrowcacheError, ValueError):
+    """An environment variable growcache reads holds a value out of its range."""
+
+
+def owner_expiry() -> float:
+    """Seconds after its last heartbeat that this process's files count as dead elsewhere.
+
+    ``$GROWCACHE_OWNER_EXPIRY`` overrides the default of 60 s. Each owner stores the expiry it
+    beats for in its files, and other processes judge the files by that stored value (never
+    by their own setting), so processes with different settings never remove each other's
+    live files.
+
+    Raises:
+        SettingError: the variable is not a number of seconds in
+            [:data:`MIN_OWNER_EXPIRY_S`, :data:`MAX_OWNER_EXPIRY_S`].
     """
     text = os.environ.get(_EXPIRY_ENV)
     if not text:
@@ -103,12 +120,22 @@ def owner_expiry() -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        logger.warning("%s=%r is not a positive number of seconds; using %g s", _EXPIRY_ENV, text,
-                       DEFAULT_OWNER_EXPIRY_S)
-        return DEFAULT_OWNER_EXPIRY_S
+        value = float("nan")
+    if not MIN_OWNER_EXPIRY_S <= value <= MAX_OWNER_EXPIRY_S:  # NaN and inf fail here too
+        raise SettingError(
+            f"{_EXPIRY_ENV}={text!r} is not a number of seconds between {MIN_OWNER_EXPIRY_S:g} and "
+            f"{MAX_OWNER_EXPIRY_S:g}: it is how long another machine waits after a process's last heartbeat "
+            f"before it judges the process dead. Unset it for the default of {DEFAULT_OWNER_EXPIRY_S:g} s."
+        )
     return value
+
+
+def stored_expiry(value: object) -> float | None:
+    """An expiry read from a file (see :func:`owner_expiry`), or ``None`` if it is not a valid one."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and MIN_OWNER_EXPIRY_S <= value <= MAX_OWNER_EXPIRY_S:
+        return float(value)
+    return None
 
 
 def heartbeat_interval() -> float:
@@ -117,7 +144,8 @@ def heartbeat_interval() -> float:
     return owner_expiry() / 6
 
 
-def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbeat: float | None = None) -> bool:
+def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbeat: float | None = None,
+             expiry: float | None = None) -> bool:
     """True if the owner ``(pid, start_time)`` on machine ``host`` still runs.
 
     Args:
@@ -125,10 +153,12 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbea
         host: the owner's process-table tag; ``None`` (files of old versions) or
             :func:`this_host` means ours, where the process table decides.
         heartbeat: modification time of the owner's file. An owner in another process table
-            lives while it is younger than :func:`owner_expiry`; ``None`` counts it alive.
+            lives while it is younger than ``expiry``; ``None`` counts it alive.
+        expiry: the expiry the owner stored in its file. Default: :func:`owner_expiry`
+            (files of versions that stored none).
     """
     if host is not None and host != this_host():
-        return heartbeat is None or time.time() - heartbeat <= owner_expiry()
+        return heartbeat is None or time.time() - heartbeat <= (owner_expiry() if expiry is None else expiry)
     if not isinstance(pid, int) or pid <= 0:  # 0 and -1 would probe process groups, not a process
         return False
     try:
@@ -155,8 +185,18 @@ class _Heartbeat:
         self.lost: set[str] = set()
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
+        self.expiry: float | None = None
+
+    def beat_expiry(self) -> float:
+        # Read once per process, in the caller's thread (a bad value raises there, never in the
+        # heartbeat thread), so every file this process owns states the expiry it beats for.
+        with self.lock:
+            if self.expiry is None:
+                self.expiry = owner_expiry()
+            return self.expiry
 
     def add(self, path: str) -> None:
+        self.beat_expiry()
         with self.lock:
             self.paths.add(path)
             if self.thread is None or not self.thread.is_alive():
@@ -169,7 +209,7 @@ class _Heartbeat:
             self.lost.discard(path)
 
     def _run(self) -> None:
-        while not self.wake.wait(heartbeat_interval()):
+        while not self.wake.wait(self.beat_expiry() / 6):
             with self.lock:
                 paths = list(self.paths)
             for path in paths:
@@ -191,7 +231,7 @@ class _Heartbeat:
                     logger.warning("%s was removed while this process still held it: its heartbeat stopped for "
                                    "longer than %g s (a stopped or frozen process?), so another machine judged "
                                    "its owner dead. Shards it leased may be evicted under this epoch.",
-                                   path, owner_expiry())
+                                   path, self.beat_expiry())
                 except OSError as exc:
                     logger.debug("heartbeat of %s failed: %s", path, exc)
 
@@ -200,6 +240,7 @@ class _Heartbeat:
         self.lock = threading.Lock()
         self.paths, self.lost, self.thread = set(), set(), None
         self.wake = threading.Event()
+        self.expiry = None
 
 
 _HEARTBEAT = _Heartbeat()
@@ -209,6 +250,16 @@ os.register_at_fork(after_in_child=_HEARTBEAT.reset_after_fork)
 def keep_alive(path: str) -> None:
     """Refresh ``path``'s modification time every :func:`heartbeat_interval` until :func:`let_go`."""
     _HEARTBEAT.add(path)
+
+
+def beat_expiry() -> float:
+    """The expiry this process's heartbeat beats for (:func:`owner_expiry`, read once per
+    process); every file it keeps alive stores it, for other processes to judge it by.
+
+    Raises:
+        SettingError: ``$GROWCACHE_OWNER_EXPIRY`` is out of range.
+    """
+    return _HEARTBEAT.beat_expiry()
 
 
 def let_go(path: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CorruptShardError
+from .errors import CorruptShardError, SchemaError
 from .example import BatchDecoder, ExampleCodec
 from .records import count_checked, iter_records
 from .schema import Schema
@@ -110,6 +110,12 @@ class ReaderShare:
 def window_batches(shuffle_buffer: int, batch_size: int) -> int:
     """Batches of one shuffle window of ``shuffle_buffer`` records (``1``: no shuffle)."""
     return max(2, -(-shuffle_buffer // batch_size)) if shuffle_buffer else 1
+
+
+def other_schema(path: str, exc: SchemaError) -> CorruptShardError:
+    """A shard whose records do not follow the cache's schema is corrupt: named, and skipped
+    under ``on_corrupt="skip"``, like any other (its CRCs are valid, so only decoding tells)."""
+    return CorruptShardError(path, 0, f"its records follow another schema than the cache's: {str(exc).split('. ')[0]}")
 
 
 class BatchReader:
@@ -281,6 +287,8 @@ class BatchReader:
                         break
             except CorruptShardError as exc:
                 yield self._skip(exc, share, index, got, corrupt)
+            except SchemaError as exc:  # a shard of another schema among the cache's: a corrupt one
+                yield self._skip(other_schema(path, exc), share, index, got, corrupt)
             self.records_read += got
         if window:
             yield from close_window(placed)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from filelock import FileLock
@@ -17,6 +18,7 @@ from filelock import FileLock
 from . import _proc
 from ._size import parse_size
 from .errors import (
+    CacheFormatError,
     CacheFullError,
     CompressedFileError,
     CorruptShardError,
@@ -25,13 +27,14 @@ from .errors import (
     SchemaError,
     SchemaMismatchError,
 )
+from .batching import other_schema
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
 from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
 from .records import check_records, compressed_file_message, detect_compression, iter_records
 from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
-from .shard import ShardInfo, scan_shards
+from .shard import MIN_RECORD_BYTES, ShardInfo, impossible_name, scan_shards
 from .snapshot import Snapshot
 from .transport import remove_dead_segments
 from .writer import ShardWriter, raise_if_disk_full, remove_abandoned_temporaries, temp_shard_name
@@ -41,6 +44,8 @@ __all__ = ["Cache", "CacheStats", "VerifyReport"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = "500GB"
+# A cache whose lock cannot be created for these reasons opens read-only (status, verify).
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _WAIT_MIN, _WAIT_MAX = 0.02, 0.5
 
 
@@ -150,32 +155,80 @@ class Cache:
         self.file_mode = mode & 0o666
         self.eviction_policy = eviction_policy
         self._manifest = Manifest(self.path, self.file_mode)
-        self._manifest.make_layout(mode)
         self._lock: FileLock | None = None
+        # Why this process cannot change the cache ("" when it can): set for a cache on a
+        # read-only filesystem, or one whose lock this user may not create. Reading works.
+        self._read_only = ""
         requested_schema = Schema(schema) if schema is not None else None
         requested_capacity = parse_size(capacity, name="capacity") if capacity is not None else None
-        with self._locked():
-            metadata = self._manifest.read_metadata(replacing=() if requested_capacity is None else ("capacity",))
-            if metadata is None:
-                metadata = {"format_version": FORMAT_VERSION, "created": time.time(), "schema": None,
-                            "capacity": parse_size(DEFAULT_CAPACITY)}
-            stored_schema = Schema.from_dict(metadata["schema"]) if metadata.get("schema") else None
-            if requested_schema is not None and stored_schema is not None and requested_schema != stored_schema:
-                raise SchemaMismatchError(
-                    f"cache {self.path} holds records of schema {stored_schema!r}, but {requested_schema!r} was "
-                    "given. Open it without schema= to use the stored one, or use another cache directory."
-                )
-            new = dict(metadata)
-            if requested_schema is not None:
-                new["schema"] = requested_schema.to_dict()
-            if requested_capacity is not None:
-                new["capacity"] = requested_capacity
-            if new != metadata or not os.path.exists(self._manifest.metadata_path):
-                self._manifest.write_metadata(new)
-            self.schema: Schema | None = requested_schema or stored_schema
-            self.capacity: int = int(new["capacity"])
+        try:
+            self._manifest.make_layout(mode)
+            self._manifest.check_lock()
+            self._locked().acquire()
+        except OSError as exc:
+            if isinstance(exc, CacheFormatError) or exc.errno not in _CANNOT_WRITE or not os.path.isdir(self.path):
+                raise
+            self._read_only = f"{exc.strerror} ({exc.filename or self.path})"
+            self._manifest.check_layout()
+            self._open(requested_schema, requested_capacity)
+            logger.debug("cache %s is opened read-only: %s", self.path, self._read_only)
+            return
+        try:
+            self._open(requested_schema, requested_capacity)
+        finally:
+            self._locked().release()
+
+    def _open(self, requested_schema: Schema | None, requested_capacity: int | None) -> None:
+        """Read (and, where allowed, store) the metadata; remove what dead processes left.
+        Assumes you hold the lock, unless the cache is read-only."""
+        metadata = self._manifest.read_metadata(replacing=() if requested_capacity is None else ("capacity",))
+        if metadata is None:
+            self._refuse_shards_without_metadata()
+            metadata = {"format_version": FORMAT_VERSION, "created": time.time(), "schema": None,
+                        "capacity": parse_size(DEFAULT_CAPACITY)}
+        stored_schema = Schema.from_dict(metadata["schema"]) if metadata.get("schema") else None
+        if requested_schema is not None and stored_schema is not None and requested_schema != stored_schema:
+            raise SchemaMismatchError(
+                f"cache {self.path} holds records of schema {stored_schema!r}, but {requested_schema!r} was "
+                "given. Open it without schema= to use the stored one, or use another cache directory."
+            )
+        new = dict(metadata)
+        if requested_schema is not None:
+            new["schema"] = requested_schema.to_dict()
+        if requested_capacity is not None:
+            new["capacity"] = requested_capacity
+        if new != metadata or not os.path.exists(self._manifest.metadata_path):
+            self._check_writable("storing its metadata (a new cache, schema or capacity)")
+            self._manifest.write_metadata(new)
+        self.schema: Schema | None = requested_schema or stored_schema
+        self.capacity: int = int(new["capacity"])
+        if not self._read_only:
             self._remove_stale()
 
+    def _refuse_shards_without_metadata(self) -> None:
+        """A directory with shards but no ``growcache.json`` lost its metadata: it is no new cache.
+
+        Opened as one, it would take any schema (a float32 0.5 read back as int32 1056964608)
+        and the default budget.
+        """
+        listing = scan_shards(self.shards_dir)
+        if listing.shards or listing.temporaries:
+            raise CacheFormatError(
+                f"{self.path} holds {len(listing.shards)} shards but no {METADATA_FILE}: the metadata that "
+                "stores their schema and the byte budget is lost, and growcache will not guess the schema. "
+                f"Restore {self._manifest.metadata_path} from a backup, or move the shards out and re-create "
+                "the cache with their real schema: `growcache schema SHARD` infers it from a shard, then "
+                "Cache(path, schema=...) and `growcache import SHARDS... CACHE --schema ...` bring them back in."
+            )
+
+    def _check_writable(self, doing: str) -> None:
+        """Raise a clear error if this process opened the cache read-only."""
+        if self._read_only:
+            raise OSError(
+                errno.EROFS if "read-only" in self._read_only.lower() else errno.EACCES,
+                f"cache {self.path} cannot be changed by this process: {self._read_only}. Reading it works "
+                f"(growcache status and verify, stats(), list_shards()), but {doing} needs write access: remount "
+                "the filesystem read-write, or run as a user that may write in the cache directory.")
     # -- pickling: the lock is created lazily in each process ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -186,6 +239,8 @@ class Cache:
         return f"Cache({self.path!r}, capacity={self.capacity}, schema={self.schema!r})"
 
     def _locked(self) -> FileLock:
+        self._check_writable("changing it (a snapshot, publish, eviction or prune)")
+        self._manifest.check_lock()
         if self._lock is None:
             self._lock = FileLock(self._manifest.lock_path, mode=self.file_mode)
         return self._lock
@@ -227,6 +282,7 @@ class Cache:
             if beyond:
                 dropped = {s.seq for s in beyond}
                 shards = [s for s in shards if s.seq not in dropped]
+            shards = _sized(shards)
             try:
                 lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
             except OSError as exc:
@@ -246,7 +302,7 @@ class Cache:
         """
         wanted = set(seqs)
         with self._locked():
-            shards = [s for s in self.list_shards() if s.seq in wanted]
+            shards = _sized([s for s in self.list_shards() if s.seq in wanted])
             missing = sorted(wanted - {s.seq for s in shards})
             if missing:
                 raise EpochSyncError(
@@ -284,6 +340,7 @@ class Cache:
                 f"cache {self.path} has no schema, so records cannot be written: open it with "
                 "Cache(path, schema=Schema({...}))"
             )
+        self._manifest.check_layout()  # its temporary must not land outside the cache
         return ShardWriter(self.schema, self.shards_dir, self._publish, max_bytes=self.capacity,
                            file_mode=self.file_mode, **kwargs)
 
@@ -317,6 +374,7 @@ class Cache:
         if self.schema is None:
             raise SchemaError(f"cache {self.path} has no schema: open it with Cache(path, schema=...) to add shards")
         source = os.fspath(path)
+        self._manifest.check_layout()
         tmp = os.path.join(self.shards_dir, temp_shard_name(os.urandom(6).hex()))
         moved = self._take_in(source, tmp, move)
         try:
@@ -582,6 +640,7 @@ class Cache:
 
     def _remove_stale(self) -> int:
         """Delete what dead processes left, and rebuild damaged counters. Assumes you hold the lock."""
+        self._manifest.check_layout()  # never delete through a directory replaced by a link
         removed = len(remove_abandoned_temporaries(self.shards_dir))
         if removed:
             logger.info("removed %d abandoned temporary shards from %s", removed, self.path)
@@ -642,12 +701,19 @@ class Cache:
             entry that is not a regular file.
         """
         listing = scan_shards(self.shards_dir)
-        report = VerifyReport(foreign=listing.foreign,
-                              irregular=listing.irregular + self._manifest.irregular_leases())
+        report = VerifyReport(irregular=listing.irregular + self._manifest.irregular_leases())
+        for path in listing.foreign:
+            impossible = impossible_name(path)
+            if impossible:  # named like a shard, but no shard: readers leave it out, verify names it
+                report.corrupt.append(CorruptShardError(path, 0, f"its name is no shard's: {impossible}"))
+            else:
+                report.foreign.append(path)
         for shard in listing.shards:
             count = 0
             try:
                 count = check_records(shard.path, expected=shard.records)
+                if self.schema is not None:
+                    check_schema_of(shard.path, self.schema)
             except FileNotFoundError:
                 continue  # evicted while we read: not corrupt
             except CorruptShardError as exc:
@@ -666,6 +732,53 @@ class Cache:
                 report.removed = [v.path for v in victims]
                 report.kept_leased = [s.path for s in present if s.seq in leased]
         return report
+
+
+def check_schema_of(path: str, schema: Schema) -> None:
+    """Check that the first record of shard ``path`` follows ``schema``.
+
+    A shard of another schema (copied into ``shards/`` by hand, say) has valid CRCs, so only
+    its records tell: it is a corrupt shard of this cache, named with the offset and the
+    difference. The first record suffices, since growcache writes a shard with one schema;
+    it is read only up to a bound the schema sets, so a crafted length allocates nothing.
+
+    Raises:
+        CorruptShardError: the record does not follow ``schema``.
+    """
+    # Encoded, a feature takes at most its payload plus a varint per int64_list value (10
+    # bytes for 8) and a little framing: a record four times that long is of another schema.
+    bound = 4 * schema.record_payload_bytes + (1 << 20)
+    checker = RecordChecker(ExampleCodec(schema), "the record")
+    for offset, record in iter_records(path, verify=False, max_record_bytes=bound):
+        try:
+            checker.check(record, offset)
+            checker.flush()
+        except SchemaError as exc:
+            raise other_schema(path, exc) from None
+        break
+
+
+def _sized(shards: list[ShardInfo]) -> list[ShardInfo]:
+    """``shards``, each checked against its file's size (one ``stat`` per shard per snapshot).
+
+    A shard's name is untrusted: one whose file holds fewer bytes than it claims keeps its
+    place (its reader meets the corruption as ``on_corrupt`` says), but its record count is
+    bounded by what its real size can frame, so a name claiming 10**17 records cannot make
+    an epoch's plan, or a top up, run for ever. A shard gone since the listing is dropped.
+    """
+    sized = []
+    for shard in shards:
+        try:
+            size = os.stat(shard.path).st_size
+        except FileNotFoundError:
+            continue
+        if size != shard.nbytes:
+            records = min(shard.records, size // MIN_RECORD_BYTES)
+            logger.warning("shard %s has %d bytes, its name says %d: it is corrupt (growcache verify reports it); "
+                           "it is planned with at most %d records", shard.path, size, shard.nbytes, records)
+            shard = replace(shard, records=records)
+        sized.append(shard)
+    return sized
 
 
 def _give_back(tmp: str, moved_from: str | None) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import errors as _errors
 from .batching import ReaderShare, Skipped, default_shuffle_buffer
-from .cache import Cache
+from .cache import Cache, check_schema_of
 from .errors import (
     CorruptShardError,
     EmptyCacheError,
@@ -606,6 +606,7 @@ class Epochs:
         try:
             if epochs.options.verify:
                 check_records(path)
+                check_schema_of(path, epochs.reader.schema)  # valid CRCs, another schema: corrupt too
             else:
                 check_named_size(path)
         except CorruptShardError as exc:

@@ -7,10 +7,13 @@ Layout of a cache directory::
     .lock            the file lock around every change
     shards/          published shards, and .tmp-* files being written
     leases/          one JSON file per live snapshot
+    epochs/          epoch files of ranks that agree without a process group (rendezvous.py)
     sources/         one JSON file per shard source: its passes, claims, remote shards held
 
 State files are JSON: nothing read from a cache is ever unpickled. Every value read is
-checked for type and range before use. Damaged metadata (``growcache.json``) is refused
+checked for type and range before use, and every file is read with a bound on its size and
+without following a link. growcache writes and deletes only in real directories: each of the
+four above is refused as a :class:`CacheFormatError` if it is a symbolic link. Damaged metadata (``growcache.json``) is refused
 with a :class:`CacheFormatError` naming the file, the field and the fix, since nothing
 else knows the schema; damaged counters (``state.json``) are rebuilt from the shard
 listing with a warning; a damaged lease expires.
@@ -18,6 +21,7 @@ listing with a warning; a damaged lease expires.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -30,7 +34,7 @@ from typing import Any
 
 from . import _proc
 from .errors import CacheFormatError
-from .shard import scan_shards
+from .shard import MAX_SEQ, scan_shards
 
 __all__ = ["FORMAT_VERSION", "Manifest", "atomic_write_bytes", "fsync_dir"]
 
@@ -43,6 +47,11 @@ LOCK_FILE = ".lock"
 SHARDS_DIR = "shards"
 LEASES_DIR = "leases"
 SOURCES_DIR = "sources"
+EPOCHS_DIR = "epochs"
+#: The most bytes read from one state file (metadata, state, lease, epoch or source file): a
+#: crafted huge file is a :class:`CacheFormatError`, never an allocation of its size.
+MAX_STATE_FILE_BYTES = 16 << 20
+_MAX_COUNTER = 2**63 - 1  # counters are shown and summed as int64
 # Counters that only grow; their default is 0. ``next_seq`` (default 1) is kept apart.
 _COUNTERS = ("published", "published_bytes", "evicted", "evicted_bytes", "sampler_runs")
 
@@ -104,6 +113,7 @@ class Manifest:
         self.shards_dir = os.path.join(root, SHARDS_DIR)
         self.leases_dir = os.path.join(root, LEASES_DIR)
         self.sources_dir = os.path.join(root, SOURCES_DIR)
+        self.epochs_dir = os.path.join(root, EPOCHS_DIR)
 
     # -- layout -----------------------------------------------------------------------------
     def make_layout(self, mode: int) -> None:
@@ -117,15 +127,19 @@ class Manifest:
         self.check_layout()
 
     def check_layout(self) -> None:
-        """Raise :class:`CacheFormatError` unless ``shards/`` and ``leases/`` are real directories.
+        """Raise :class:`CacheFormatError` unless every directory growcache writes or deletes in
+        is a real directory: ``shards/`` and ``leases/`` (which must exist), ``epochs/`` and
+        ``sources/`` (where they exist).
 
-        growcache deletes files inside both. Through a symbolic link it would delete files
-        of whatever directory the link points to, outside the cache.
+        Through a symbolic link growcache would write and delete files of whatever directory
+        the link points to, outside the cache.
         """
-        for directory in (self.shards_dir, self.leases_dir):
+        for directory in (self.shards_dir, self.leases_dir, self.epochs_dir, self.sources_dir):
             try:
                 mode = os.lstat(directory).st_mode
             except FileNotFoundError:
+                if directory in (self.epochs_dir, self.sources_dir):
+                    continue  # made on first use, through make_subdir
                 raise CacheFormatError(
                     f"{directory} is missing: the cache directory {self.root} was damaged. Open it with "
                     "Cache() again to recreate it (published shards in it are kept)."
@@ -138,11 +152,38 @@ class Manifest:
                     f"move it away, then open the cache again."
                 )
 
+    def make_subdir(self, directory: str, mode: int) -> None:
+        """Create ``directory`` (``epochs/`` or ``sources/``) if missing; refuse a link there."""
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            pass
+        self.check_layout()
+
+    def check_lock(self) -> None:
+        """Raise :class:`CacheFormatError` if ``.lock`` is anything but a regular file (or absent).
+
+        The lock is opened for writing and created if missing: through a link it would lock,
+        or create, a file outside the cache; a directory there cannot be locked at all.
+        """
+        try:
+            mode = os.lstat(self.lock_path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else \
+                "not a regular file"
+            raise CacheFormatError(
+                f"{self.lock_path} is {kind}, where growcache keeps the lock file of cache {self.root}. It holds "
+                "no data: remove it (rm -r, or unlink the link) and open the cache again; growcache re-creates it."
+            )
+
     def remove_write_temporaries(self) -> None:
         """Delete temporaries of metadata, state and lease writes that a killed process left.
 
         Assumes you hold the lock: every such write happens under it, so none is in progress.
         """
+        self.check_layout()
         for directory in (self.root, self.leases_dir, self.sources_dir):
             for entry in _scandir(directory):
                 if _WRITE_TEMP.search(entry.name) and _is_regular(entry):
@@ -162,10 +203,7 @@ class Manifest:
 
         ``durable=False`` for changes only live processes care about (claims).
         """
-        try:
-            os.mkdir(self.sources_dir, self.file_mode | (self.file_mode & 0o444) >> 2)
-        except FileExistsError:
-            pass
+        self.make_subdir(self.sources_dir, self.file_mode | (self.file_mode & 0o444) >> 2)
         atomic_write_bytes(self._source_path(key), _dumps(data), self.file_mode, durable=durable)
 
     def source_states(self) -> list[dict[str, Any]]:
@@ -266,7 +304,9 @@ class Manifest:
         bad: list[str] = []
         for name, default in (("next_seq", 1), *((c, 0) for c in _COUNTERS)):
             value = (stored or {}).get(name, default if name == "sampler_runs" else None)
-            if _is_int(value) and value >= default:
+            # A next_seq past the last twelve-digit one would name shards that no listing sees.
+            most = MAX_SEQ if name == "next_seq" else _MAX_COUNTER
+            if _is_int(value) and default <= value <= most:
                 state[name] = value
             else:
                 bad.append(name)
@@ -319,6 +359,11 @@ class Manifest:
         """
         state = self.read_state(locked=True)
         seq = max(state["next_seq"], newest + 1)
+        if seq > MAX_SEQ:
+            raise CacheFormatError(
+                f"cache {self.root} has spent every twelve-digit sequence number (the newest shard is {newest}): "
+                "a longer shard name would be invisible to every listing. Copy the shards you need into a new "
+                "cache with `growcache import`.")
         state["next_seq"] = seq + 1
         state["published"] += 1
         state["published_bytes"] += nbytes
@@ -354,10 +399,11 @@ class Manifest:
         The lease's modification time is its heartbeat, refreshed by this process until the
         lease is released (see :mod:`growcache._proc`).
         """
+        self.check_layout()
         pid, start = _proc.this_process()
         path = os.path.join(self.leases_dir, f"{pid}-{uuid.uuid4().hex}.json")
         body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
-                "holder": holder, "seqs": sorted(seqs)}
+                "holder": holder, "seqs": sorted(seqs), "expiry": _proc.beat_expiry()}
         atomic_write_bytes(path, _dumps(body), self.file_mode)
         _proc.keep_alive(path)
         return path
@@ -392,14 +438,15 @@ class Manifest:
             if lease is None:
                 continue
             host = lease.get("host")
-            if _proc.is_alive(lease["pid"], lease.get("start_time"), host, heartbeat):
+            if _proc.is_alive(lease["pid"], lease["start_time"], host, heartbeat, lease.get("expiry")):
                 lease["path"] = path
                 leases.append(lease)
             elif remove_dead:
                 if host not in (None, _proc.this_host()):
                     logger.warning("lease %s (holder %r) of another machine or an earlier hostname had no heartbeat "
                                    "for %.0f s (expiry %g s): its holder is judged dead and the lease removed",
-                                   path, lease.get("holder", ""), time.time() - heartbeat, _proc.owner_expiry())
+                                   path, lease.get("holder", ""), time.time() - heartbeat,
+                                   lease.get("expiry") or _proc.owner_expiry())
                 _unlink_quiet(path)
         return leases
 
@@ -408,36 +455,54 @@ class Manifest:
         return sorted(e.path for e in _scandir(self.leases_dir) if not _is_regular(e))
 
     def _read_lease(self, path: str) -> tuple[dict[str, Any] | None, float]:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        read = read_state_file(path, f"lease {path}")
+        if read is None:
             return None, 0.0
-        except OSError as exc:
-            raise CacheFormatError(f"lease {path} cannot be read ({exc})") from None
-        with os.fdopen(fd, "rb") as f:
-            heartbeat = os.fstat(f.fileno()).st_mtime
-            raw = f.read(1 << 20)
-        lease = _parse_json(raw, f"lease {path}")
+        lease, heartbeat = read
         _check_lease(lease, path)
         return lease, heartbeat
 
     def _read_json(self, path: str) -> dict[str, Any] | None:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
-            raise CacheFormatError(
-                f"{path} is a directory, not a file; the cache is damaged. Move it away and restore the file."
-            ) from None
-        return _parse_json(raw, path)
+        read = read_state_file(path, path)
+        return None if read is None else read[0]
 
     def _read_json_quiet(self, path: str) -> dict[str, Any] | None:
         try:
             return self._read_json(path)
         except CacheFormatError:
             return None
+
+
+def read_state_file(path: str, label: str) -> tuple[dict[str, Any], float] | None:
+    """A JSON object from a state file of the cache, and the file's modification time (its
+    heartbeat); ``None`` if the file is absent.
+
+    The file is never followed through a link, and at most :data:`MAX_STATE_FILE_BYTES` are
+    read: what a cache directory holds is untrusted.
+
+    Raises:
+        CacheFormatError: a link, a directory or a device there, an unreadable or oversized
+            file, or one that does not hold a JSON object.
+    """
+    try:
+        # O_NONBLOCK: a FIFO put there must not hang the open; its type is checked right after.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        what = "a symbolic link" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
+        raise CacheFormatError(f"{label} is {what}, not a file growcache wrote; the cache is damaged. Move it "
+                               "away and restore the file.") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheFormatError(f"{label} is not a regular file (a directory or a device); the cache is "
+                                   "damaged. Move it away and restore the file.")
+        raw = f.read(MAX_STATE_FILE_BYTES + 1)
+    if len(raw) > MAX_STATE_FILE_BYTES:
+        raise CacheFormatError(f"{label} is larger than {MAX_STATE_FILE_BYTES >> 20} MiB, far more than growcache "
+                               "writes; the file is damaged. Move it away and restore it.")
+    return _parse_json(raw, label), info.st_mtime
 
 
 def _parse_json(raw: bytes, label: str) -> dict[str, Any]:
@@ -458,18 +523,23 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
     """Raise :class:`CacheFormatError` unless ``lease`` has the fields a lease is written with."""
     start_time = lease.get("start_time")
     seqs = lease.get("seqs")
+    expiry = lease.get("expiry")
     if not (_is_int(lease.get("pid")) and lease["pid"] > 0):
         problem = f"its pid is {lease.get('pid')!r}, not a positive integer"
-    elif start_time is not None and not (_is_int(start_time) and start_time >= 0):
+    elif not (_is_int(start_time) and start_time >= 0):
+        # Without a start time any process that got the pid would keep the lease alive forever.
         problem = f"its start_time is {start_time!r}, not an integer"
     elif not isinstance(lease.get("host") or "", str):
         problem = f"its host is {lease['host']!r}, not a string"
-    elif not (isinstance(seqs, list) and all(_is_int(seq) and seq > 0 for seq in seqs)):
+    elif not (isinstance(seqs, list) and all(_is_int(seq) and 0 < seq <= MAX_SEQ for seq in seqs)):
         problem = "its seqs are not a list of positive integers"
     elif not isinstance(lease.get("holder", ""), str):
         problem = f"its holder is {lease['holder']!r}, not a string"
     elif not isinstance(lease.get("created", 0), (int, float)) or isinstance(lease.get("created"), bool):
         problem = f"its created is {lease['created']!r}, not a time"
+    elif expiry is not None and _proc.stored_expiry(expiry) is None:
+        problem = (f"its expiry is {expiry!r}, not a number of seconds between {_proc.MIN_OWNER_EXPIRY_S:g} and "
+                   f"{_proc.MAX_OWNER_EXPIRY_S:g}")
     else:
         return
     raise CacheFormatError(f"lease {path} is damaged: {problem}")

@@ -215,32 +215,46 @@ def _even_out(
             raise ValueError(f"target_batches={target} is more than a rank holds ({min(per_rank)}) with drop_last")
         for rank in range(world_size):
             readers = range(rank * workers, (rank + 1) * workers)
-            counts = {i: int(load[i]) // batch_size for i in readers}
-            excess = per_rank[rank] - target
-            # Take whole batches away from the readers with the most, one at a time.
-            while excess > 0:
-                i = max(counts, key=lambda k: (counts[k], -k))
-                counts[i] -= 1
-                excess -= 1
-            for i in readers:
-                quotas[i] = counts[i] * batch_size
+            counts = _take_from_fullest([int(load[i]) // batch_size for i in readers], per_rank[rank] - target)
+            for i, count in zip(readers, counts):
+                quotas[i] = count * batch_size
         return quotas, cycle
 
     target = max(per_rank) if target_batches is None else int(target_batches)
     if target < max(per_rank):
         raise ValueError(f"target_batches={target} is less than a rank yields ({max(per_rank)}) without drop_last")
     for rank in range(world_size):
-        readers = list(range(rank * workers, (rank + 1) * workers))
         missing = target - per_rank[rank]
-        k = 0
-        while missing > 0:
-            # ceil((q + B) / B) == ceil(q / B) + 1: one more batch per step, and the fewest
-            # repeated records (a partial batch stays partial).
-            i = readers[k % len(readers)]
-            quotas[i] += batch_size
-            missing -= 1
-            k += 1
+        # One more batch per reader in turn: ceil((q + B) / B) == ceil(q / B) + 1, so a step adds
+        # one batch and the fewest repeated records (a partial batch stays partial). Computed
+        # in closed form: a count comes from the cache directory, so no loop may run once per batch.
+        rounds, extra = divmod(missing, workers)
+        for j in range(workers):
+            quotas[rank * workers + j] += (rounds + (j < extra)) * batch_size
     return quotas, cycle
+
+
+def _take_from_fullest(counts: list[int], excess: int) -> list[int]:
+    """Take ``excess`` units from ``counts``, one at a time from the largest (the lowest index
+    among equals), in closed form: the result of that loop without its ``excess`` steps."""
+    if excess <= 0:
+        return counts
+    # The level L every count above it is cut to: the lowest with sum(max(c - L, 0)) <= excess.
+    low, high = 0, max(counts)
+    while low < high:
+        mid = (low + high) // 2
+        if sum(max(c - mid, 0) for c in counts) <= excess:
+            high = mid
+        else:
+            low = mid + 1
+    level = low
+    cut = [min(c, level) for c in counts]
+    left = excess - sum(counts) + sum(cut)
+    for i, c in enumerate(cut):  # what remains comes one each from the lowest-indexed at the level
+        if left and c == level and level > 0:
+            cut[i] -= 1
+            left -= 1
+    return cut
 
 
 def _rank_cycles(shards: list[np.ndarray], world_size: int, workers: int, order: np.ndarray,

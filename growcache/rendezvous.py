@@ -35,8 +35,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from . import _proc
-from .errors import EpochSyncError
-from .manifest import atomic_write_bytes
+from .errors import CacheFormatError, EpochSyncError
+from .manifest import Manifest, _is_int, atomic_write_bytes, read_state_file
+from .shard import MAX_SEQ
 
 __all__ = [
     "AGREE_TIMEOUT_S",
@@ -371,7 +372,7 @@ class FileRendezvous:
         self.timeout = AGREE_TIMEOUT_S if timeout is None else float(timeout)
         self.wait = float(wait_for_shards) + self.timeout
         self.file_mode = file_mode
-        os.makedirs(self.dir, mode=dir_mode, exist_ok=True)
+        Manifest(cache_dir).make_subdir(self.dir, dir_mode)  # never a link: epochs/ is written and swept
 
     def path(self, epoch: int) -> str:
         """The epoch file of epoch ``epoch``."""
@@ -388,8 +389,11 @@ class FileRendezvous:
             shards = take()
             pid, start = _proc.this_process()
             body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,
-                    "host": _proc.this_host(), "created": time.time()}
+                    "host": _proc.this_host(), "created": time.time(), "expiry": _proc.beat_expiry()}
             atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
+            # Its heartbeat is the evidence that lets ranks in another process table (another
+            # machine or container) tell this live file from a dead run's.
+            _proc.keep_alive(path)
             return _FileAgreement(self, epoch, shards, took=True)
         return _FileAgreement(self, epoch, self._wait_for(epoch, path), took=False)
 
@@ -397,9 +401,9 @@ class FileRendezvous:
         deadline = time.monotonic() + self.wait
         dead_writer = None
         while True:
-            body = _read_json(path)
+            body = _read_epoch_file(path)
             if body is not None:
-                if _proc.is_alive(body.get("pid", -1), body.get("start_time"), body.get("host")):
+                if _writer_lives(body):
                     return EpochShards.from_json(body, path)
                 dead_writer = body.get("pid")  # a crashed run's file: wait for a live first rank to replace it
             if time.monotonic() >= deadline:
@@ -436,6 +440,7 @@ class _FileAgreement:
             try:
                 close()
             finally:
+                _proc.let_go(rendezvous.path(epoch))
                 for name in [rendezvous.path(epoch), *acks]:
                     _unlink_quiet(name)
 
@@ -449,6 +454,10 @@ def remove_stale_epoch_files(cache_dir: str) -> int:
     like the other temporaries. Returns how many files went.
     """
     directory = os.path.join(cache_dir, EPOCHS_DIR)
+    if os.path.islink(directory):
+        raise CacheFormatError(
+            f"{directory} is a symbolic link. growcache deletes files inside it, so it refuses anything but a real "
+            "directory there (a link could point outside the cache). Move it away, then open the cache again.")
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -459,8 +468,10 @@ def remove_stale_epoch_files(cache_dir: str) -> int:
     for name in names:
         path = os.path.join(directory, name)
         if _EPOCH_FILE.match(name):
-            body = _read_json(path)
-            if body is not None and not _proc.is_alive(body.get("pid", -1), body.get("start_time"), body.get("host")):
+            body = _read_epoch_file(path)
+            if body is not None and not _writer_lives(body):
+                if "damaged" in body:
+                    logger.warning("%s; it is removed as a dead first rank's", body["damaged"])
                 removed += _unlink_quiet(path)
             else:
                 live.add(name[:-len(".json")])
@@ -481,13 +492,50 @@ def _older(path: str, now: float, seconds: float) -> bool:
         return False
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def _read_epoch_file(path: str) -> dict[str, Any] | None:
+    """An epoch file's body with its heartbeat (``"mtime"``); ``None`` if absent.
+
+    Every field is checked: a damaged file (never written by a live first rank, since writes
+    are atomic) comes back with ``"damaged"`` set, and counts as a dead writer's.
+    """
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
-    except (FileNotFoundError, ValueError):
-        return None  # absent, or (never, since writes are atomic) damaged: wait for the next write
-    return data if isinstance(data, dict) else None
+        read = read_state_file(path, f"epoch file {path}")
+    except CacheFormatError as exc:
+        return {"damaged": str(exc)}
+    if read is None:
+        return None
+    body, mtime = read
+    problem = _epoch_file_problem(body)
+    if problem:
+        return {"damaged": f"epoch file {path} is damaged: {problem}", "pid": body.get("pid")}
+    return {**body, "mtime": mtime}
+
+
+def _epoch_file_problem(body: dict[str, Any]) -> str:
+    seqs, names = body.get("seqs"), body.get("names", [])
+    if not (_is_int(body.get("pid")) and body["pid"] > 0):
+        return f"its pid is {body.get('pid')!r}, not a positive integer"
+    if not (_is_int(body.get("start_time")) and body["start_time"] >= 0):
+        return f"its start_time is {body.get('start_time')!r}, not an integer"
+    if not isinstance(body.get("host") or "", str):
+        return f"its host is {body.get('host')!r}, not a string"
+    if "expiry" in body and _proc.stored_expiry(body["expiry"]) is None:
+        return f"its expiry is {body['expiry']!r}, not a number of seconds in range"
+    if not (_is_int(body.get("epoch")) and body["epoch"] >= 0 and _is_int(body.get("seed"))):
+        return "its epoch or seed is not an integer"
+    if not (isinstance(seqs, list) and all(_is_int(q) and 0 < q <= MAX_SEQ for q in seqs)):
+        return "its seqs are not a list of sequence numbers"
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return "its names are not a list of strings"
+    return ""
+
+
+def _writer_lives(body: dict[str, Any]) -> bool:
+    """Whether the first rank that wrote an epoch file lives, by evidence only: its process
+    in our process table, else its heartbeat against the expiry it stated itself."""
+    if "damaged" in body:
+        return False
+    return _proc.is_alive(body["pid"], body["start_time"], body.get("host"), body["mtime"], body.get("expiry"))
 
 
 def _unlink_quiet(path: str) -> int:

@@ -16,7 +16,13 @@ __all__ = ["ShardInfo", "ShardListing", "ShardState", "scan_shards"]
 
 SHARD_SUFFIX = ".tfrecord"
 TMP_PREFIX = ".tmp-"
-_SHARD_NAME = re.compile(r"^(\d{12})-(\d+)r-(\d+)b\.tfrecord$")
+# At most 18 digits per count: every value fits an int64 (plans are numpy int64 arrays).
+_SHARD_NAME = re.compile(r"^(\d{12})-(\d{1,18})r-(\d{1,18})b\.tfrecord$")
+#: The smallest TFRecord frame: an 8-byte length, two 4-byte CRCs and no payload. A name that
+#: claims more records than its bytes can frame is no shard growcache wrote.
+MIN_RECORD_BYTES = 16
+#: The largest sequence number a shard name can carry (twelve digits).
+MAX_SEQ = 10**12 - 1
 
 
 class ShardState(enum.Enum):
@@ -51,17 +57,41 @@ class ShardInfo:
 
     @classmethod
     def from_path(cls, path: str) -> ShardInfo | None:
-        """Parse a published shard's file name; ``None`` if it is not one."""
+        """Parse a published shard's file name; ``None`` if it is not one.
+
+        A name is untrusted: one whose counts no shard could have (sequence number 0, no
+        record, or more records than its bytes can frame) is not a shard (see
+        :func:`impossible_name`).
+        """
         match = _SHARD_NAME.match(os.path.basename(path))
         if match is None:
             return None
         seq, records, nbytes = (int(g) for g in match.groups())
+        if _impossible(seq, records, nbytes):
+            return None
         return cls(seq=seq, path=path, records=records, nbytes=nbytes)
 
     @staticmethod
     def file_name(seq: int, records: int, nbytes: int) -> str:
         """The file name a shard is published under."""
         return f"{seq:012d}-{records}r-{nbytes}b{SHARD_SUFFIX}"
+
+
+def _impossible(seq: int, records: int, nbytes: int) -> str:
+    if seq < 1:
+        return "its sequence number is 0"
+    if records < 1:
+        return "it names no record"
+    if records * MIN_RECORD_BYTES > nbytes:
+        return (f"it claims {records} records in {nbytes} bytes, and a record takes at least "
+                f"{MIN_RECORD_BYTES} bytes")
+    return ""
+
+
+def impossible_name(path: str) -> str:
+    """Why ``path`` is named like a shard but claims what no shard holds; ``""`` otherwise."""
+    match = _SHARD_NAME.match(os.path.basename(path))
+    return "" if match is None else _impossible(*(int(g) for g in match.groups()))
 
 
 @dataclass
@@ -71,7 +101,8 @@ class ShardListing:
     Attributes:
         shards: published shards (regular files named like one), oldest first.
         temporaries: names of regular ``.tmp-*`` files (shards being written, or abandoned).
-        foreign: paths of regular files that growcache did not write.
+        foreign: paths of regular files that growcache did not write, including files named
+            like a shard whose counts no shard could have (:func:`impossible_name`).
         irregular: paths of entries that are not regular files: directories, symbolic links,
             devices, sockets. Readers and eviction never touch them.
     """

@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 
 from ._vectored_io import pread_into
-from .batching import Allocate, BatchReader, ReaderShare, Skipped
-from .errors import CorruptShardError
+from .batching import Allocate, BatchReader, ReaderShare, Skipped, other_schema
+from .errors import CorruptShardError, SchemaError
 from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
 from .shard import ShardInfo
@@ -588,6 +588,8 @@ class VectorReader(BatchReader):
                         yield item
             except CorruptShardError as exc:
                 yield self._skip(exc, share, index, got, corrupt)
+            except SchemaError as exc:  # a shard of another schema among the cache's: a corrupt one
+                yield self._skip(other_schema(path, exc), share, index, got, corrupt)
             self.records_read += got
         if window.entries:
             yield from window.close()

@@ -30,9 +30,10 @@ _STAGE_BYTES = _DIRECT_FRAME_BYTES  # so every record that is staged fits
 
 
 def temp_shard_name(token: str) -> str:
-    """A temporary name that tells which process of which machine writes it, so stale ones can be found."""
+    """A temporary name that tells which process of which machine writes it, and the heartbeat
+    expiry it is kept alive for, so stale ones can be found by evidence alone."""
     pid, start = _proc.this_process()
-    return f"{TMP_PREFIX}{pid}-{start or 0}-{_proc.this_host()}-{token}{SHARD_SUFFIX}"
+    return f"{TMP_PREFIX}{pid}-{start or 0}-{_proc.this_host()}-{token}-{_proc.beat_expiry():g}{SHARD_SUFFIX}"
 
 
 def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
@@ -40,13 +41,24 @@ def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
 
     Names written before the host tag existed have three parts and give ``None`` as the host.
     """
-    if not name.startswith(TMP_PREFIX):
+    owner = _temp_fields(name)
+    return None if owner is None else owner[:3]
+
+
+def _temp_fields(name: str) -> tuple[int, int | None, str | None, float | None] | None:
+    """:func:`temp_owner` and the expiry the name states (``None``: older names, or a bad value)."""
+    if not name.startswith(TMP_PREFIX) or len(name) > 255:
         return None
-    parts = name[len(TMP_PREFIX):].split("-")
+    parts = name[len(TMP_PREFIX):].removesuffix(SHARD_SUFFIX).split("-")
     try:
-        return int(parts[0]), int(parts[1]) or None, parts[2] if len(parts) >= 4 else None
+        pid, start = int(parts[0]), int(parts[1]) or None
     except (IndexError, ValueError):
         return None
+    try:
+        expiry = _proc.stored_expiry(float(parts[4])) if len(parts) >= 5 else None
+    except ValueError:
+        expiry = None
+    return pid, start, parts[2] if len(parts) >= 4 else None, expiry
 
 
 def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None = None) -> list[str]:
@@ -55,7 +67,8 @@ def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None 
     A writer on this machine is judged by the pid and start time its temporary's name
     carries, so a recycled pid never costs a live writer its shard; a writer on another
     machine (or under an earlier hostname) by the temporary's heartbeat (its modification
-    time, see :mod:`growcache._proc`). Only regular files are ever removed.
+    time, see :mod:`growcache._proc`), against the expiry its name states: the writer's own,
+    never the judge's. Only regular files are ever removed.
 
     Args:
         shards_dir: the cache's shard directory.
@@ -64,7 +77,7 @@ def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None 
     """
     removed = []
     for name in scan_shards(shards_dir).temporaries:
-        owner = temp_owner(name)
+        owner = _temp_fields(name)
         if owner is None or (owners is not None and owner[0] not in owners):
             continue
         path = os.path.join(shards_dir, name)
@@ -72,7 +85,7 @@ def remove_abandoned_temporaries(shards_dir: str, owners: Container[int] | None 
             heartbeat = os.lstat(path).st_mtime
         except FileNotFoundError:
             continue
-        if _proc.is_alive(*owner, heartbeat):
+        if _proc.is_alive(*owner[:3], heartbeat, owner[3]):
             continue
         try:
             os.unlink(path)
