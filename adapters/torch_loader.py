@@ -119,6 +119,7 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         self._copy = copy
         self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
+        self._prefetch_factor = self.prefetch_factor
         self._closed = False
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
         if delivery is not None:
@@ -176,9 +177,18 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         # super().__iter__() starts the workers, or resets persistent ones (the feed ends the
         # abandoned epoch they may still have read only then).
         self.last_epoch, iterator = self._stream.feed.start_epoch(
-            self.epochs, super().__iter__, slots=self._slots, start_method=method, registered=self._delivery is not None)
+            self.epochs, self._start_workers, slots=self._slots, start_method=method,
+            registered=self._delivery is not None)
         self._meter.begin(self.last_epoch, began)
         return self._deliver(self.last_epoch, iterator)
+
+    def _start_workers(self) -> Any:
+        # Slabs cut short by a small /dev/shm: prefetch only what their slots hold, rather than
+        # send the rest through torch's own shared memory, in the same full /dev/shm.
+        short = self._slots - self._stream.feed.slots
+        if self.num_workers and self._stream.feed.slots and short > 0:
+            self.prefetch_factor = max(1, self._prefetch_factor - short)
+        return super().__iter__()
 
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
         finished = False

@@ -28,6 +28,7 @@ from .errors import (
     SamplerError,
     SchemaError,
     SchemaMismatchError,
+    SharedMemoryFullError,
     SourceError,
     TransientSourceError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "ShardInfo",
     "ShardState",
     "ShardWriter",
+    "SharedMemoryFullError",
     "Snapshot",
     "SourceError",
     "TFRecordShardSource",

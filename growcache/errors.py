@@ -22,6 +22,7 @@ __all__ = [
     "SamplerError",
     "SchemaError",
     "SchemaMismatchError",
+    "SharedMemoryFullError",
     "SourceError",
     "TransientSourceError",
 ]
@@ -37,6 +38,12 @@ class SchemaError(GrowcacheError, ValueError):
 
 class SchemaMismatchError(SchemaError):
     """A cache was reopened, or a shard added, with a schema that differs from the stored one."""
+
+
+class SharedMemoryFullError(GrowcacheError, OSError):
+    """``/dev/shm`` has no room for the batch slabs of ``spawn``/``forkserver`` readers
+    (``errno`` is ``ENOSPC``). The message names ``/dev/shm``'s size, its free space, the bytes
+    needed and the fixes: more shared memory for the container, smaller batches, fork workers."""
 
 
 class CorruptShardError(GrowcacheError, ValueError):

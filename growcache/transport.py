@@ -47,51 +47,75 @@ killed by SIGKILL leaks nothing (it owns no name); the consumer unlinks them in
 unlinks them if the consumer itself is killed.
 
 A kill of the whole process group (``scancel``, ``docker kill``, an OOM kill of the
-cgroup) takes the resource tracker with the consumer. So a named slab carries its owner
-in its name, ``growcache-<pid>-<start time>-<process table>-<token>``, the same identity as
-a lease (see :mod:`growcache._proc`), and its heartbeat in its modification time; the next
-growcache process to create a slab, open a cache or prune one removes every growcache
-segment whose owner is dead (:func:`remove_dead_segments`).
+cgroup) takes the resource tracker with the consumer. So the next growcache process to
+create a slab, open a cache or prune one removes every growcache segment that no process
+maps (:func:`remove_dead_segments`). The evidence is a lock, never an age: every process
+that maps a named slab holds a shared ``flock`` on it for as long as it does (the kernel
+drops it when the process exits, however it dies), and a segment is removed only under an
+exclusive, non-blocking ``flock``. Locks live in the segment's inode, so they hold across
+jobs with different settings and across containers that share ``/dev/shm`` with pid
+namespaces of their own. The name, ``growcache-v2-<pid>-<start time>-<process table>-<token>``,
+still names the owner, for the instant between its creation and its first lock.
+
+Space
+-----
+A named slab is reserved with ``posix_fallocate`` before it is touched. ``/dev/shm`` is a
+tmpfs, often of 64 MB in a container, and a page of a segment that does not fit there is
+not refused at creation: the first touch of it kills the process with ``SIGBUS``.
+:func:`make_slabs` gives readers fewer slots when all of them do not fit, and raises
+:class:`~growcache.errors.SharedMemoryFullError` only when one batch per reader does not.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import math
 import mmap
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _proc
+from ._size import format_size
+from .errors import SharedMemoryFullError
 
-__all__ = ["BatchLayout", "COPY_BELOW", "Slab", "SlotHandle", "aligned_empty", "remove_dead_segments"]
+__all__ = ["BatchLayout", "COPY_BELOW", "SharedMemorySpace", "Slab", "SlotHandle", "aligned_empty", "make_slabs",
+           "remove_dead_segments"]
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "growcache-"
-_SEGMENT_NAME = re.compile(r"^growcache-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+# v2: every process that maps the segment holds a shared flock on it. Sweepers of older versions
+# match only the legacy names, so they never judge a v2 segment by its age.
+_SEGMENT_NAME = re.compile(r"^growcache-v2-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+_LEGACY_NAME = re.compile(r"^growcache-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
 _SHM_DIR = "/dev/shm"
 
 
 def segment_name() -> str:
     """A new name for a shared-memory segment that says which process of which machine owns it."""
     pid, start = _proc.this_process()
-    return f"{SEGMENT_PREFIX}{pid}-{start or 0}-{_proc.this_host()}-{os.urandom(6).hex()}"
+    return f"{SEGMENT_PREFIX}v2-{pid}-{start or 0}-{_proc.this_host()}-{os.urandom(6).hex()}"
 
 
 def remove_dead_segments(shm_dir: str = _SHM_DIR) -> list[str]:
-    """Remove growcache's shared-memory segments whose owner is dead; return their names.
+    """Remove growcache's shared-memory segments that no process maps; return their names.
 
-    Owners are judged as leases are (:func:`growcache._proc.is_alive`): on this machine by
-    their pid and start time, otherwise by the segment's heartbeat. Segments of other
-    programs, and of ``multiprocessing`` or torch under random names, are never touched.
+    A segment is live while any process holds the shared ``flock`` that every process mapping
+    it takes, whatever its age, its owner's process table or this job's settings; it is
+    removed under an exclusive ``flock``. Segments of other programs, and of
+    ``multiprocessing`` or torch under random names, are never touched. Segments of older
+    growcache versions (which take no lock) are removed only when their owner is in this
+    process table and dead.
     """
     try:
         entries = list(os.scandir(shm_dir))
@@ -100,26 +124,139 @@ def remove_dead_segments(shm_dir: str = _SHM_DIR) -> list[str]:
     removed = []
     for entry in entries:
         match = _SEGMENT_NAME.match(entry.name)
-        if match is None:
+        if match is not None:
+            pid, start, host = int(match[1]), int(match[2]) or None, match[3]
+            if _remove_unmapped(entry.path, pid, start, host):
+                removed.append(entry.name)
+            continue
+        match = _LEGACY_NAME.match(entry.name)
+        # Another table's legacy segment has no evidence of its owner's death but an age: leave it.
+        if match is None or match[3] != _proc.this_host() or _proc.is_alive(int(match[1]), int(match[2]) or None):
             continue
         try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            heartbeat = entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        pid, start, host = int(match[1]), int(match[2]) or None, match[3]
-        if _proc.is_alive(pid, start, host, heartbeat):
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append(entry.name)
+            if entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed.append(entry.name)
         except OSError:
             pass
     if removed:
-        logger.info("removed %d shared-memory segments of dead growcache processes: %s", len(removed),
-                    ", ".join(removed))
+        logger.info("removed %d shared-memory segments that no process maps: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _remove_unmapped(path: str, pid: int, start: int | None, host: str) -> bool:
+    """Unlink the segment at ``path`` if no process holds its lock; whether it did."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # gone, a link, or another user's
+        return False
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # some process maps it
+        # Unlocked, yet its owner in this table lives: created an instant ago, not locked yet.
+        # (An owner in another table checks that its name survived its first lock.)
+        if host == _proc.this_host() and _proc.is_alive(pid, start):
+            return False
+        if os.stat(path, follow_symlinks=False).st_ino != held.st_ino:
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the exclusive lock
+
+
+class SharedMemorySpace:
+    """Where named slabs take their memory (``/dev/shm``): its size, and reservations in it.
+
+    The one interface between slabs and the space they need, so that a test can stand in a
+    smaller ``/dev/shm``.
+    """
+
+    path = _SHM_DIR
+
+    def reserve(self, fd: int, nbytes: int) -> None:
+        """Allocate the first ``nbytes`` of the segment open on ``fd`` now.
+
+        Raises:
+            OSError: ``ENOSPC`` when they do not fit. tmpfs undoes a partial allocation.
+        """
+        if hasattr(os, "posix_fallocate"):  # not on macOS, which has no /dev/shm to fill either
+            os.posix_fallocate(fd, 0, nbytes)
+
+    def usage(self) -> tuple[int, int]:
+        """``(size, free bytes)``; ``(0, 0)`` where they cannot be read."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return 0, 0
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+#: The ``/dev/shm`` that named slabs are made in, unless a caller passes another space.
+SHARED_MEMORY = SharedMemorySpace()
+_SPACE_FIXES = (
+    "give the container more shared memory (docker run --shm-size=2g; Kubernetes: an emptyDir volume with "
+    "medium: Memory and a sizeLimit, mounted at /dev/shm), lower batch_size, or use fork-started workers "
+    "(multiprocessing_context=\"fork\"), whose batches take nothing from /dev/shm")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def make_slabs(layout: BatchLayout, slots: int, count: int, *, anonymous: bool,
+               space: SharedMemorySpace | None = None) -> list[Slab]:
+    """``count`` slabs (one per reader, indexed in order) of ``slots`` slots each, or fewer
+    slots if that many named slabs do not fit in ``/dev/shm``.
+
+    With fewer slots it logs one warning; each slab keeps at least one. The reservation decides
+    what fits (free space is only a first guess: other processes take and free it meanwhile).
+    A consumer should then ask for fewer batches in flight: a reader sends a batch by other
+    means when every slot of its slab is taken, and those means may need ``/dev/shm`` too.
+
+    Raises:
+        SharedMemoryFullError: one slot per reader does not fit.
+    """
+    space = space or SHARED_MEMORY
+    want = int(slots)
+    while True:
+        made: list[Slab] = []
+        try:
+            for index in range(count):
+                made.append(Slab(layout, want, anonymous=anonymous, index=index, space=space))
+        except SharedMemoryFullError as exc:
+            while made:  # each goes at once, memory too: no view of it exists yet
+                made.pop().unlink()
+            size, free = space.usage()
+            if want == 1:
+                need = count * Slab.bytes_for(layout, 1)
+                raise SharedMemoryFullError(
+                    errno.ENOSPC,
+                    f"{space.path} (size {_mib(size)}, {_mib(free)} free) has no room for one batch per reader: "
+                    f"{count} readers need {_mib(need)} ({_mib(layout.slot_nbytes)} per batch, slabs of shared "
+                    f"memory that spawn- and forkserver-started workers write batches into). To fix it, "
+                    f"use fewer workers (num_workers), or {_SPACE_FIXES}") from exc
+            fit = 1
+            while fit < want - 1 and count * Slab.bytes_for(layout, fit + 1) <= free:
+                fit += 1
+            want = fit
+            continue
+        if want < slots:
+            size, free = space.usage()
+            logger.warning(
+                "%s (size %s, %s free after this) holds %d of the %d batch slots wanted for each of %d readers "
+                "(%s per slot): readers prefetch fewer batches, and send the rest by slower means. For all of "
+                "them, lower prefetch_factor, or %s", space.path, _mib(size), _mib(free), want, slots, count,
+                _mib(layout.slot_nbytes), _SPACE_FIXES)
+        return made
+
 
 PAGE = mmap.PAGESIZE
 _ALIGN = 64  # cache line: every feature's array starts aligned
@@ -236,9 +373,16 @@ class Slab:
         anonymous: use nameless ``MAP_SHARED`` memory, which only ``fork`` can share but
             which can never leak. Default: ``True``.
         index: the slab's number, carried in its handles. Default: ``0``.
+        space: where a named slab takes its memory. Default: ``None``:
+            :data:`SHARED_MEMORY` (``/dev/shm``).
+
+    Raises:
+        SharedMemoryFullError: a named slab does not fit in ``/dev/shm``
+            (:func:`make_slabs` then tries fewer slots).
     """
 
-    def __init__(self, layout: BatchLayout, slots: int = 4, *, anonymous: bool = True, index: int = 0) -> None:
+    def __init__(self, layout: BatchLayout, slots: int = 4, *, anonymous: bool = True, index: int = 0,
+                 space: SharedMemorySpace | None = None) -> None:
         if slots < 1:
             raise ValueError(f"a slab needs at least one slot, got {slots}")
         self.layout = layout
@@ -246,9 +390,10 @@ class Slab:
         self.index = int(index)
         self.anonymous = anonymous
         self.header_nbytes = _round_up(8 * self.slots, PAGE)
-        self.nbytes = self.header_nbytes + self.slots * layout.slot_nbytes
+        self.nbytes = self.bytes_for(layout, self.slots)
         self._owner_pid = os.getpid()
         self._shm: shared_memory.SharedMemory | None = None
+        self._lock_fd: int | None = None
         self._unlinked = False
         if anonymous:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
@@ -256,15 +401,19 @@ class Slab:
             self.name = None
         else:
             remove_dead_segments()  # a loader starts: what killed process groups left goes now
-            self._shm = shared_memory.SharedMemory(name=segment_name(), create=True, size=self.nbytes)
+            self._shm, self._lock_fd = _create_segment(self.nbytes, space or SHARED_MEMORY)
             self._map = self._shm.buf
             self.name = self._shm.name
-            _proc.keep_alive(os.path.join(_SHM_DIR, self.name))
         self._attach()
         self.prefault()
         self._counter = 0
         self._generation = 0
         self._live: dict[int, int] = {}  # consumer side: slot -> token of batches handed out
+
+    @staticmethod
+    def bytes_for(layout: BatchLayout, slots: int) -> int:
+        """Bytes of a slab of ``slots`` slots of ``layout``: its header page(s) and its slots."""
+        return _round_up(8 * slots, PAGE) + slots * layout.slot_nbytes
 
     def _attach(self) -> None:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
@@ -279,8 +428,8 @@ class Slab:
                 "an anonymous Slab can only reach another process by fork; "
                 "create it with anonymous=False for spawn or forkserver readers"
             )
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_bytes", "_state", "_shm", "_live")}
-        return state
+        skip = ("_map", "_bytes", "_state", "_shm", "_live", "_lock_fd")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -290,8 +439,11 @@ class Slab:
         fd = _shm_open(self.name)
         try:
             self._map = mmap.mmap(fd, self.nbytes)
-        finally:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process maps it: no sweep removes it
+        except BaseException:
             os.close(fd)
+            raise
+        self._lock_fd = fd
         self._shm = None
         self._attach()
 
@@ -418,7 +570,6 @@ class Slab:
         """Remove a named slab's name (the memory lives on while mapped); idempotent."""
         if self._shm is not None and not self._unlinked and os.getpid() == self._owner_pid:
             self._unlinked = True
-            _proc.let_go(os.path.join(_SHM_DIR, self.name))
             try:
                 self._shm.unlink()
             except FileNotFoundError:
@@ -432,8 +583,61 @@ class Slab:
             self._state = self._bytes = self._map = None
             if self._shm is not None:
                 self._shm.close()
+            if self._lock_fd is not None:  # unmapped above: the lock may go
+                os.close(self._lock_fd)
+                self._lock_fd = None
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
             pass
+
+
+def _create_segment(nbytes: int, space: SharedMemorySpace) -> tuple[shared_memory.SharedMemory, int]:
+    """A new named segment of ``nbytes``, reserved in ``space``; and an fd holding its shared lock.
+
+    Raises:
+        SharedMemoryFullError: the segment does not fit (nothing of it is left behind).
+    """
+    for _ in range(3):
+        # Created by SharedMemory, so that the resource tracker unlinks it if this process dies.
+        shm = shared_memory.SharedMemory(name=segment_name(), create=True, size=nbytes)
+        path = os.path.join(_SHM_DIR, shm.name)
+        fd = None
+        try:
+            fd = _shm_open(shm.name)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            # Another table's sweeper judges by the lock alone: between the creation and the lock
+            # it may have removed the name. Then the segment is lost; make another.
+            kept = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except (FileNotFoundError, BlockingIOError):
+            kept = False
+        except BaseException:
+            _discard(shm, fd, unlink=True)
+            raise
+        if not kept:
+            _discard(shm, fd, unlink=False)
+            continue
+        try:
+            space.reserve(fd, nbytes)  # ENOSPC here, rather than SIGBUS at the first touch
+        except OSError as exc:
+            _discard(shm, fd, unlink=True)
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            size, free = space.usage()
+            raise SharedMemoryFullError(
+                errno.ENOSPC, f"{space.path} (size {_mib(size)}, {_mib(free)} free) has no room for a slab of "
+                f"{_mib(nbytes)}: {_SPACE_FIXES}") from exc
+        return shm, fd
+    raise RuntimeError(f"three shared-memory segments in a row were removed from {_SHM_DIR} as they were made: "
+                       "is another program removing growcache's segments?")
+
+
+def _discard(shm: shared_memory.SharedMemory, fd: int | None, *, unlink: bool) -> None:
+    if fd is not None:
+        os.close(fd)
+    shm.close()
+    if unlink:
+        shm.unlink()
+    else:  # the name is gone already: only the tracker's note of it remains
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
 def _shm_open(name: str) -> int:

@@ -39,7 +39,7 @@ from .device_release import remap_in_worker
 from .epoch import Epoch, Epochs
 from .errors import ForeignLoaderError, GrowcacheError
 from .readers import slab_batches
-from .transport import BatchLayout, Slab, SlotHandle
+from .transport import BatchLayout, Slab, SlotHandle, make_slabs
 
 __all__ = ["PLAN_TIMEOUT_S", "EpochMessage", "WorkerFailure", "WorkerFeed"]
 
@@ -95,6 +95,11 @@ class WorkerFeed:
         return state
 
     @property
+    def slots(self) -> int:
+        """Slots per slab (``0`` before the first epoch, or without reader processes)."""
+        return self.slabs[0].slots if self.slabs else 0
+
+    @property
     def generation(self) -> int:
         """The epoch announced last; a reader fixes it when its iterator is made."""
         return int(self._counters[0])
@@ -112,7 +117,8 @@ class WorkerFeed:
         Args:
             epochs: the adapter's :class:`~growcache.epoch.Epochs`.
             start_readers: starts or resets the readers; its result is returned.
-            slots: slots per slab.
+            slots: slots per slab; fewer, with a warning, where ``/dev/shm`` has no room for them
+                (:func:`~growcache.transport.make_slabs`): :attr:`slots` says how many.
             start_method: how the readers start (``"fork"``, ``"spawn"``, ``"forkserver"``).
             registered: the slabs will be registered with a device driver, so they keep their
                 names and forked readers map them afresh
@@ -128,8 +134,8 @@ class WorkerFeed:
                 # nothing that could leak.
                 layout = BatchLayout.from_schema(epochs.reader.schema, epochs.reader.batch_size)
                 self.remap = start_method == "fork" and registered
-                self.slabs[:] = [Slab(layout, slots, anonymous=start_method == "fork" and not registered, index=i)
-                                 for i in range(self.workers)]
+                self.slabs[:] = make_slabs(layout, slots, self.workers,
+                                           anonymous=start_method == "fork" and not registered)
             self.announce(epoch)
             started = start_readers()
         except BaseException:
