@@ -10,6 +10,10 @@ that reads to the end of its snapshot, and it drives the callbacks itself around
 calls so that they see one training run: ``on_train_begin``/``on_train_end`` once, one
 ``History`` across all epochs, epoch numbers that continue from ``initial_epoch``, and
 ``model.stop_training`` (``EarlyStopping``) honoured between epochs.
+
+:class:`InputStatsCallback` adds growcache's figures of each epoch (is training waiting on
+data? how fresh is what it trains on?) to the epoch's logs, so that ``History``,
+``TensorBoard`` and ``CSVLogger`` record them.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import keras
 import tensorflow as tf
 
 from growcache.epoch import trainer_epoch
+from growcache.metrics import DEFAULT_LOGGED, InputStats, stats_source
 
-__all__ = ["fit_growing"]
+__all__ = ["InputStatsCallback", "fit_growing"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,3 +142,43 @@ def fit_growing(
             break
     run.end_run(logs)
     return model.history
+
+
+class InputStatsCallback(keras.callbacks.Callback):
+    """Adds growcache's input figures of each epoch to the epoch's ``logs``.
+
+    Callbacks after it in the list, and Keras's own (``History``, the progress bar), see them:
+    put ``TensorBoard`` or ``CSVLogger`` after it to record them. Works with ``model.fit``
+    and :func:`fit_growing`::
+
+        fit_growing(model, ds, epochs=10, callbacks=[InputStatsCallback(), keras.callbacks.TensorBoard(logs)])
+
+    Inside ``fit``, Keras pulls batches in a compiled ``tf.function``, where no Python runs at
+    ``next()``: ``data_wait_s`` is then the time growcache's last stage had no batch ready,
+    an upper bound of the wait behind TensorFlow's prefetch (and it is not measured with
+    ``reader="tensorflow"``); see :class:`growcache.metrics.InputFigures`.
+
+    Args:
+        source: the dataset :func:`growcache.make_tf_dataset` returned (before any
+            ``map``), its :class:`~growcache.Cache`, or the cache's directory. Default:
+            ``None``: the growcache dataset of this process whose epoch started last.
+        figures: the names of :class:`~growcache.metrics.InputFigures` to log (``as_dict``
+            names without the prefix). Default: data wait seconds and share, records per
+            second, the share of new records, time to the first batch, cache bytes.
+        prefix: put before every name. Default: ``"growcache/"``.
+    """
+
+    def __init__(self, source: Any = None, *, figures: Sequence[str] = DEFAULT_LOGGED,
+                 prefix: str = "growcache/") -> None:
+        super().__init__()
+        self._stats: Callable[[], InputStats] = stats_source(source)
+        self._names = tuple(figures)
+        self._prefix = prefix
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is None:
+            return
+        figures = self._stats().epoch
+        if figures is not None:
+            values = figures.as_dict(self._prefix)
+            logs.update({self._prefix + n: values[self._prefix + n] for n in self._names if self._prefix + n in values})

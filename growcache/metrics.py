@@ -36,12 +36,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ._size import format_size
+from .cache import Cache
 
-__all__ = ["CacheFigures", "InputFigures", "InputMeter", "InputStats", "MeteredLoader", "input_stats", "live_meters"]
+__all__ = ["DEFAULT_LOGGED", "CacheFigures", "InputFigures", "InputMeter", "InputStats", "MeteredLoader", "input_stats",
+           "live_meters", "stats_source"]
 
 logger = logging.getLogger(__name__)
 
 _clock = time.perf_counter
+
+#: The figures the trainer callbacks log by default (:meth:`InputFigures.as_dict` names).
+DEFAULT_LOGGED = ("data_wait_s", "data_wait_share", "records_per_s", "bytes_per_s", "first_batch_s", "new_share",
+                  "cache_bytes")
 
 
 @dataclass(frozen=True)
@@ -590,9 +596,28 @@ def input_stats(cache: Any, run_id: str | None = None) -> InputStats:
         raise LookupError(f"no growcache loader or dataset over cache {path}"
                           f"{'' if run_id is None else f' with run_id={run_id!r}'} lives in this process: build "
                           "one with make_torch_loader or make_tf_dataset first")
+    return _latest(meters).stats()
+
+
+def _latest(meters: list[InputMeter]) -> InputMeter:
     started = [m for m in meters if m.latest is not None]
-    meter = max(started, key=lambda m: m.latest.started_at) if started else meters[-1]
-    return meter.stats()
+    return max(started, key=lambda m: m.latest.started_at) if started else meters[-1]
+
+
+def stats_source(source: Any = None) -> Callable[[], InputStats]:
+    """How a trainer callback reads the figures of ``source``: a loader or dataset with
+    ``stats()``, a cache or its directory (:func:`input_stats`), or ``None``: the loader or
+    dataset of this process whose epoch started last (no figures while there is none)."""
+    if source is None:
+        def latest() -> InputStats:
+            meters = live_meters()
+            return _latest(meters).stats() if meters else InputStats(None, _total([]))
+        return latest
+    if isinstance(source, (Cache, str, os.PathLike)):
+        return lambda: input_stats(source)
+    if not callable(getattr(source, "stats", None)):
+        raise TypeError(f"expected a growcache loader or dataset, a Cache or a cache directory, got {source!r}")
+    return source.stats
 
 
 def live_meters() -> list[InputMeter]:
