@@ -41,9 +41,11 @@ class SchemaMismatchError(SchemaError):
 
 
 class SharedMemoryFullError(GrowcacheError, OSError):
-    """``/dev/shm`` has no room for the batch slabs of ``spawn``/``forkserver`` readers
-    (``errno`` is ``ENOSPC``). The message names ``/dev/shm``'s size, its free space, the bytes
-    needed and the fixes: more shared memory for the container, smaller batches, fork workers."""
+    """``/dev/shm`` has no room for one batch per ``spawn``/``forkserver`` reader (``ENOSPC``).
+
+    The message names ``/dev/shm``'s size, its free space, the bytes needed and the fixes: more
+    shared memory for the container, smaller batches, fewer workers, fork workers.
+    """
 
 
 class CorruptShardError(GrowcacheError, ValueError):
