@@ -274,7 +274,7 @@ class Cache:
         # never holds more than the capacity (unless other live snapshots pin more).
         with self._locked():
             self._trim_to_budget()
-            shards = self.list_shards()
+            shards = _sized(self.list_shards(), warn=True)
             # Shards the budget would evict but for another snapshot's lease stay out of this
             # one. Readers whose epochs overlap (two frameworks, DDP ranks) would otherwise
             # re-lease each other's oldest shards forever, and the cache would never shrink.
@@ -282,7 +282,6 @@ class Cache:
             if beyond:
                 dropped = {s.seq for s in beyond}
                 shards = [s for s in shards if s.seq not in dropped]
-            shards = _sized(shards)
             try:
                 lease = self._manifest.write_lease([s.seq for s in shards], holder) if shards else None
             except OSError as exc:
@@ -302,7 +301,7 @@ class Cache:
         """
         wanted = set(seqs)
         with self._locked():
-            shards = _sized([s for s in self.list_shards() if s.seq in wanted])
+            shards = _sized([s for s in self.list_shards() if s.seq in wanted], warn=True)
             missing = sorted(wanted - {s.seq for s in shards})
             if missing:
                 raise EpochSyncError(
@@ -566,7 +565,7 @@ class Cache:
         """Like :meth:`evict`. Assumes you hold the lock."""
         self._refresh_capacity()
         target = self.capacity if to is None else parse_size(to, name="to") if to != 0 else 0
-        shards = self.list_shards()
+        shards = _sized(self.list_shards())
         leased = self._leased_seqs()
         victims = self.eviction_policy(shards, leased, target, 0, time.time())
         if victims is None:  # cannot reach the target: take everything unleased
@@ -584,7 +583,7 @@ class Cache:
         epoch start), and bounds the disk at capacity + leased bytes.
         """
         self._refresh_capacity()
-        shards = self.list_shards() if shards is None else shards
+        shards = _sized(self.list_shards() if shards is None else shards)
         leased = self._leased_seqs()
         leased_bytes = sum(s.nbytes for s in shards if s.seq in leased)
         return self.eviction_policy(shards, leased, self.capacity + leased_bytes, incoming, time.time())
@@ -758,13 +757,15 @@ def check_schema_of(path: str, schema: Schema) -> None:
         break
 
 
-def _sized(shards: list[ShardInfo]) -> list[ShardInfo]:
-    """``shards``, each checked against its file's size (one ``stat`` per shard per snapshot).
+def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
+    """``shards``, each checked against its file's size (one ``stat`` per shard).
 
-    A shard's name is untrusted: one whose file holds fewer bytes than it claims keeps its
-    place (its reader meets the corruption as ``on_corrupt`` says), but its record count is
-    bounded by what its real size can frame, so a name claiming 10**17 records cannot make
-    an epoch's plan, or a top up, run for ever. A shard gone since the listing is dropped.
+    A shard's name is untrusted. One whose file holds other bytes than it claims keeps its
+    place (its reader meets the corruption as ``on_corrupt`` says), but counts with its real
+    size, and with no more records than that size can frame: a name claiming 10**16 records
+    in 160 PB can neither make an epoch's plan or top up run for ever, nor make the budget
+    evict every other shard. A shard gone since the listing is dropped. Used wherever a
+    decision rests on the counts (snapshots, leases, eviction), not for plain listings.
     """
     sized = []
     for shard in shards:
@@ -774,9 +775,10 @@ def _sized(shards: list[ShardInfo]) -> list[ShardInfo]:
             continue
         if size != shard.nbytes:
             records = min(shard.records, size // MIN_RECORD_BYTES)
-            logger.warning("shard %s has %d bytes, its name says %d: it is corrupt (growcache verify reports it); "
-                           "it is planned with at most %d records", shard.path, size, shard.nbytes, records)
-            shard = replace(shard, records=records)
+            (logger.warning if warn else logger.debug)(
+                "shard %s has %d bytes, its name says %d: it is corrupt (growcache verify reports it); it counts "
+                "with its real size and at most %d records", shard.path, size, shard.nbytes, records)
+            shard = replace(shard, records=records, nbytes=size)
         sized.append(shard)
     return sized
 

@@ -161,8 +161,8 @@ def test_a_shard_name_claiming_absurd_counts_cannot_hang_ddp_planning(id_cache, 
     monkeypatch.setattr(rendezvous_module, "AGREE_TIMEOUT_S", 0.2)  # rank 1 never comes: end the lease soon
     write_shards(id_cache, [3, 3])
     shard = id_cache.list_shards()[0]
-    # Consistent claims (10**17 records in 16 * 10**17 bytes): only a stat tells the name lies.
-    crafted = os.path.join(id_cache.shards_dir, ShardInfo.file_name(9, 10**17, 16 * 10**17))
+    # Consistent claims (10**16 records in 16 * 10**16 bytes): only a stat tells the name lies.
+    crafted = os.path.join(id_cache.shards_dir, ShardInfo.file_name(9, 10**16, 16 * 10**16))
     shutil.copy(shard.path, crafted)
     done: list = []
 
@@ -176,14 +176,23 @@ def test_a_shard_name_claiming_absurd_counts_cannot_hang_ddp_planning(id_cache, 
     thread.join(60)
     assert done, "planning an epoch with a crafted shard name did not finish"
     assert max(done[0]) < 1000
+    assert len(id_cache.list_shards()) == 3 and id_cache.evict() == []  # its claimed 160 PB evict nothing
 
 
 def test_planning_takes_closed_form_steps_whatever_the_counts():
-    plan = plan_epoch([10**15, 1, 1], epoch=0, seed=0, world_size=2, num_workers=2, batch_size=1)
-    assert plan.rank_batches(0) == plan.rank_batches(1) == 10**15
-    plan = plan_epoch([10**15, 10**15 - 7, 5], epoch=0, seed=0, world_size=2, num_workers=3, batch_size=2,
-                      drop_last=True)
-    assert plan.rank_batches(0) == plan.rank_batches(1)
+    plans: list = []
+
+    def plan() -> None:
+        plans.append(plan_epoch([10**15, 1, 1], epoch=0, seed=0, world_size=2, num_workers=2, batch_size=1))
+        plans.append(plan_epoch([10**15, 10**15 - 7, 5], epoch=0, seed=0, world_size=2, num_workers=3,
+                                batch_size=2, drop_last=True))
+
+    thread = threading.Thread(target=plan, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert len(plans) == 2, "planning ran a loop per batch"
+    assert plans[0].rank_batches(0) == plans[0].rank_batches(1) == 10**15
+    assert plans[1].rank_batches(0) == plans[1].rank_batches(1) == (10**15 - 7) // 2 + 5 // 2
 
 
 def test_taking_from_the_fullest_in_closed_form_equals_the_step_by_step_loop():
