@@ -24,6 +24,24 @@ were evicted since. The state file records which published shards hold which byt
 of which remote shard, so the cache knows what it holds across restarts, and a shard cut
 into pieces (``max_shard_records``, ``max_shard_bytes``, or the pool's ``shard_size``)
 that was partly evicted is fetched again only for its missing pieces.
+
+The bucket is live, and the state file is untrusted:
+
+* Each pass starts from a fresh listing of the store, and only paths of the current
+  listing are ever claimed (a tampered ``order`` cannot name a file outside the glob).
+* A remote shard is known by its version (size and the store's etag, generation or
+  modification time). Pieces held of an older version never steer a resume: a shard
+  rewritten between passes is fetched whole again.
+* A shard deleted or rewritten during a pass, or a corrupt one, is passed over with one
+  warning and counted in the pass progress (``vanished``, ``changed``, ``corrupt``); a
+  corrupt one is not fetched again until it changes. The source never stops for one file.
+* A claim carries a heartbeat: while its copy runs (or waits for room to publish), a thread
+  refreshes its time every :func:`~growcache._proc.heartbeat_interval` seconds, and a claim
+  whose time is older than :func:`~growcache._proc.owner_expiry` is dead, wherever its owner
+  runs. Before each piece is published, the claim is checked under the cache lock: a copy
+  whose claim was taken over (a process frozen past the expiry) publishes nothing.
+* Every field of the state is checked before use; a damaged claim counts as expired, any
+  other damage starts the state afresh, with a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +50,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,21 +61,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _proc
-from .errors import CacheFormatError, SchemaError
+from ._retry import RetryPolicy
+from .errors import CacheFormatError, CompressedFileError, CorruptShardError, GrowcacheError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, _infer, copy_records, iter_frames
-from ._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .cache import Cache
     from .schema import Schema
     from .shard import ShardInfo
 
-__all__ = ["FetchJob", "FetchedShard", "PassProgress", "ShardSource", "TFRecordShardSource", "pass_progress"]
+__all__ = ["ClaimLostError", "FetchJob", "FetchedShard", "PassProgress", "ShardSource", "TFRecordShardSource",
+           "pass_progress"]
 
 logger = logging.getLogger(__name__)
 
 _HISTORY = 16  # passes whose fetches the state file keeps
+_RELIST_S = 10.0  # between passes, seconds between listings of the store
+_RELIST = object()
 
 
 @dataclass(frozen=True)
@@ -120,6 +144,8 @@ class ShardSource:
 class _Claim:
     path: str
     segments: tuple[tuple[int, int | None], ...]  # stream byte ranges to copy; None: to the end
+    token: str  # whose claim it is: a random token, compared before every publish
+    version: str  # the remote shard's version in the listing the claim was made from
 
 
 @dataclass(frozen=True)
@@ -134,6 +160,11 @@ class PassProgress:
         in_flight: remote shards being fetched now.
         held: remote shards the cache holds whole.
         known: remote shards the source has seen.
+        vanished: remote shards of this pass that were deleted before they were fetched.
+        changed: remote shards rewritten while this pass ran (passed over; the next pass
+            fetches the new version) or since they were fetched (fetched whole again).
+        corrupt: remote shards passed over as corrupt or off-schema; each is fetched again
+            only once it changes.
     """
 
     source: str
@@ -143,6 +174,9 @@ class PassProgress:
     in_flight: int
     held: int
     known: int
+    vanished: int = 0
+    changed: int = 0
+    corrupt: int = 0
 
 
 class TFRecordShardSource(TFRecordFiles, ShardSource):
@@ -188,6 +222,9 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         # The cache keeps this source's state under a key of its URLs: the same dataset
         # given again (another pool, a restart) continues where it was.
         self.key = hashlib.sha256(json.dumps(sorted(self.urls)).encode()).hexdigest()[:32]
+        self._listing: dict[str, str] | None = None  # path -> version, as this process last listed the store
+        self._listed_at = 0.0  # time.monotonic() of that listing
+        self._listed_for = 0  # the pass it serves
 
     def _repr_extra(self) -> str:
         return f", max_shard_records={self.max_shard_records}, max_shard_bytes={self.max_shard_bytes}"
@@ -231,11 +268,11 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         """Claim the next remote shard of the pass and yield its pieces as verified temporary shards.
 
         Yields nothing when every shard of the pass is fetched or being fetched by another
-        worker, or when the cache holds the whole dataset.
+        worker, or when the cache holds the whole dataset. A remote shard that vanished,
+        changed or is corrupt is passed over with a warning (see the module docstring).
 
         Raises:
-            SchemaError: a record does not follow the cache's schema (the remote file and offset).
-            CorruptShardError: a CRC mismatch or truncation in the remote file.
+            SchemaError: the cache has no schema.
             SourceError: the store failed (after retries for transient errors).
         """
         cache = job.cache
@@ -249,19 +286,32 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         limits = [x for x in (self.max_shard_bytes, job.max_bytes) if x is not None]
         codec = ExampleCodec(cache.schema)
         done = False
+        keeper = _ClaimKeeper(self, cache, claim)
         try:
+            now = self._version_now(claim.path)
+            if now != claim.version:
+                done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
+                return
             end = None
             for start, stop in claim.segments:
                 chunks, _ = self.stream(claim.path, start)
-                frames = _Until(iter_frames(chunks, url, start), start, stop, job.should_stop)
+                frames = _Until(iter_frames(chunks, url, start, max_record_bytes=codec.max_record_bytes), start, stop,
+                                job.should_stop)
                 pieces = copy_records(frames, cache, RecordChecker(codec, url), max_records=self.max_shard_records,
                                       max_bytes=min(limits) if limits else None, start=start, progress=job.progress)
                 last_segment = (start, stop) == claim.segments[-1]
                 with contextlib.closing(pieces):
                     for piece in pieces:
+                        if keeper.lost:
+                            logger.warning("%s: the claim on %s was taken over while it was copied (this process "
+                                           "stalled for longer than %g s?); the copy is dropped", self._redact(url),
+                                           url, _proc.owner_expiry())
+                            done = True  # the claim is not ours to release
+                            _discard(piece.path)
+                            return
                         # The last piece's commit also ends the fetch: one state write, not two.
                         finish = last_segment and piece.last
-                        commit = _Commit(self, cache, claim.path, piece.start, piece.end, finish)
+                        commit = _Commit(self, cache, claim, piece.start, piece.end, finish)
                         yield FetchedShard(piece.path, piece.records, piece.nbytes, commit)
                         if finish:
                             done = True
@@ -269,18 +319,92 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                             return
                 end = frames.end
             if not done:  # no records in the last segment (an empty file): end the fetch here
-                self._finish(cache, claim.path, end)
+                self._finish(cache, claim, end)
                 done = True
             logger.debug("fetched %s", url)
         except _Stopping:
             logger.debug("stopped fetching %s", url)
+        except (CorruptShardError, SchemaError, CompressedFileError, SourceError) as exc:
+            done = self._pass_over_failed(cache, claim, exc)
         finally:
+            keeper.stop()
             if not done:
-                self._release(cache, claim.path)
+                self._release(cache, claim)
+
+    def _pass_over_failed(self, cache: Cache, claim: _Claim, exc: BaseException) -> bool:
+        """Pass over a remote shard whose fetch failed, if it vanished, changed or is corrupt;
+        re-raise a store failure (an unreachable store, a denied access)."""
+        if isinstance(exc, SourceError):
+            now = self._version_now(claim.path)
+            if now == claim.version:
+                raise exc
+            return self._pass_over(cache, claim, "vanished" if now is None else "changed")
+        now = self._version_now(claim.path)
+        if now != claim.version:  # a rewrite under the reader misframes it: not corrupt, changed
+            return self._pass_over(cache, claim, "vanished" if now is None else "changed")
+        detail = (f"{exc.reason} at byte offset {exc.offset}" if isinstance(exc, CorruptShardError)
+                  else self._redact(str(exc)))
+        return self._pass_over(cache, claim, "corrupt", detail)
+
+    # -- the store's listing ------------------------------------------------------------------
+    def _list_versions(self) -> dict[str, str]:
+        """Every remote shard the URLs name now, with its version. Never cached by fsspec: a
+        listing cache would hide files added, deleted or rewritten since."""
+        from .store import _GLOB_CHARS
+
+        fs = self.fs
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache()
+        found: dict[str, str] = {}
+        for url in self.urls:
+            path = fs._strip_protocol(url)
+            if _GLOB_CHARS & set(path):
+                listing = self._io("listing", self._redact(url), lambda p=path: fs.glob(p, detail=True))
+                found.update((p, _version(info)) for p, info in listing.items()
+                             if isinstance(info, dict) and info.get("type", "file") != "directory")
+            else:
+                version = self._version_now(path)
+                if version is not None:
+                    found[path] = version
+        return found
+
+    def _version_now(self, path: str) -> str | None:
+        """The version of ``path`` in the store now; ``None`` if it is gone."""
+        fs = self.fs
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(path)
+        try:
+            info = self._io("reading the details of", self._url(path), lambda: fs.info(path))
+        except SourceError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
+        return _version(info)
+
+    def _current_listing(self, cache: Cache) -> tuple[dict[str, str], bool]:
+        """This process's listing, and whether it was just made: listed again when a pass began
+        after it, or between passes every ``_RELIST_S`` (see :meth:`_claim`)."""
+        try:
+            state = cache._manifest.read_source_state(self.key) or {}
+        except CacheFormatError:
+            state = {}
+        order, done = state.get("order"), state.get("done")
+        number = state.get("pass") if _is_int(state.get("pass")) else 0
+        complete = not (isinstance(order, list) and isinstance(done, list)) or set(map(str, order)) <= set(map(str, done))
+        # A pass in progress: the listing it began with (or a later one). Between passes, one
+        # at most every _RELIST_S: a cache that holds everything polls, the store is not listed as often.
+        if (self._listing is None or (not complete and self._listed_for < number)
+                or (complete and time.monotonic() - self._listed_at > _RELIST_S)):
+            self._listing = self._list_versions()
+            self._listed_at = time.monotonic()
+            self._listed_for = number
+            return self._listing, True
+        return self._listing, False
 
     # -- the state file ----------------------------------------------------------------------
     def _read(self, cache: Cache) -> dict[str, Any]:
-        """This source's state in ``cache``. Assumes you hold the lock."""
+        """This source's state in ``cache``, every field checked. Assumes you hold the lock."""
+        _refuse_linked_sources(cache)
         try:
             state = cache._manifest.read_source_state(self.key)
             problem = None if state is None else _damage(state)
@@ -297,80 +421,251 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         state.setdefault("claims", {})
         state.setdefault("held", {})
         state.setdefault("history", [])
+        state.setdefault("skipped", {})
+        state.setdefault("bad", {})
+        state.setdefault("rewritten", 0)
         state["source"] = self._redact(", ".join(self.urls))
+        for path, claim in list(state["claims"].items()):
+            problem = _claim_damage(claim)
+            if problem is not None:
+                logger.warning("%s: the claim on %s in %s is damaged (%s): it counts as expired", state["source"],
+                               self._url(path), cache.path, problem)
+                del state["claims"][path]
         return state
 
     def _write(self, cache: Cache, state: dict[str, Any], *, durable: bool = True) -> None:
         """Assumes you hold the lock. Claims need no fsync (they die with their processes);
         what the cache holds does."""
+        _refuse_linked_sources(cache)
         cache._manifest.write_source_state(self.key, state, durable=durable)
 
     def _claim(self, job: FetchJob) -> _Claim | None:
+        for _ in range(2):
+            claim = self._claim_listed(job)
+            if claim is not _RELIST:
+                return claim  # type: ignore[return-value]
+            self._listing = None
+        return None
+
+    def _claim_listed(self, job: FetchJob) -> _Claim | None | object:
+        """Claim the next shard; ``_RELIST`` when a pass should start from an older listing
+        than this call made (a pass starts from a fresh one; a poll with nothing to do does not list)."""
         cache = job.cache
-        paths = self.paths()
+        listing, fresh = self._current_listing(cache)
         with cache._locked():
             state = self._read(cache)
             unchanged = json.dumps(state, sort_keys=True)  # workers poll: write only what changes
-            state["known"] = len(paths)
+            state["known"] = len(listing)
             _prune(state, {s.seq for s in cache.list_shards()})
+            rewritten = self._reconcile(state, listing)
             done = set(state["done"])
             if all(p in done for p in state["order"]):
-                # A pass ends when every shard of it has been fetched once; the next one
-                # takes the shards the cache no longer holds, in a new order.
-                todo = sorted(p for p in paths if not _holds(state, p))
+                # A pass ends when every shard of it has been fetched or passed over once; the
+                # next one takes the shards the cache no longer holds, in a new order.
+                todo = sorted(p for p in listing if not _holds(state, p) and p not in state["bad"])
                 if not todo:
                     if json.dumps(state, sort_keys=True) != unchanged:
                         self._write(cache, state, durable=False)
                     return None
+                if not fresh:
+                    return _RELIST
                 number = state["pass"] + 1
                 rng = np.random.default_rng(np.random.SeedSequence(job.seed, spawn_key=(number,)))
                 state.update({"pass": number, "order": [todo[i] for i in rng.permutation(len(todo))], "done": [],
-                              "started": time.time()})
+                              "started": time.time(), "skipped": {}, "rewritten": 0})
                 state["history"] = (state["history"] + [{"pass": number, "total": len(todo), "started": time.time(),
                                                          "fetched": []}])[-_HISTORY:]
                 done = set()
-                logger.info("%s: pass %d fetches %d of %d shards", state["source"], number, len(todo), len(paths))
+                self._listed_for = number
+                logger.info("%s: pass %d fetches %d of %d shards", state["source"], number, len(todo), len(listing))
+            state["rewritten"] += rewritten
             claims = state["claims"]
             for path in state["order"]:
                 if path in done or path in claims:
                     continue
+                if path not in listing:
+                    # Deleted since the pass began, or never listed (a tampered order): never fetched.
+                    logger.warning("%s: %s is not in the store's listing (deleted?); pass %d passes over it",
+                                   state["source"], self._url(path), state["pass"])
+                    _mark_passed_over(state, path, "vanished")
+                    done.add(path)
+                    continue
                 pid, start_time = _proc.this_process()
+                token = os.urandom(8).hex()
                 claims[path] = {"pid": pid, "start_time": start_time, "host": _proc.this_host(), "time": time.time(),
-                                "worker": job.worker}
+                                "worker": job.worker, "token": token}
                 self._write(cache, state, durable=False)
-                return _Claim(path, _missing(state, path))
+                return _Claim(path, _missing(state, path), token, listing[path])
             if json.dumps(state, sort_keys=True) != unchanged:
                 self._write(cache, state, durable=False)
             return None  # the rest of the pass is being fetched by other workers
 
-    def _commit(self, cache: Cache, path: str, start: int, end: int, finish: bool, info: ShardInfo) -> None:
-        """Record that ``info`` holds bytes ``start:end`` of ``path``; with ``finish``, that it
-        ends the stream and the fetch. Called under the lock."""
-        state = self._read(cache)
-        held = state["held"].setdefault(path, {"end": None, "pieces": []})
-        held["pieces"].append([info.seq, start, end])
-        claim = state["claims"].get(path)
-        if claim is not None:
-            claim["time"] = time.time()
-        if finish:
-            _mark_fetched(state, path, end)
-        self._write(cache, state)
+    def _reconcile(self, state: dict[str, Any], listing: dict[str, str]) -> int:
+        """Forget what is known of older versions of the listed shards: held pieces of a
+        rewritten shard never steer a resume, and a corrupt one is tried again once it changes.
+        Returns the number of rewritten shards found."""
+        rewritten = 0
+        for path, version in listing.items():
+            entry = state["held"].get(path)
+            if entry is not None and entry.get("version") not in (None, version):
+                logger.warning("%s: %s changed since it was fetched; it is fetched whole again (the cache keeps the "
+                               "records of the old version until they are evicted)", state["source"], self._url(path))
+                del state["held"][path]
+                rewritten += 1
+            bad = state["bad"].get(path)
+            if bad is not None and bad["version"] != version:
+                del state["bad"][path]
+        return rewritten
 
-    def _finish(self, cache: Cache, path: str, end: int) -> None:
+    def _pass_over(self, cache: Cache, claim: _Claim, why: str, detail: str = "") -> bool:
+        """Pass over the claimed shard in this pass (``vanished``, ``changed`` or ``corrupt``),
+        with one warning. Returns ``True``: the claim is settled."""
+        url = self._url(claim.path)
+        if why == "corrupt":
+            logger.warning("%s: %s is corrupt or off the cache's schema (%s); passed over until it changes",
+                           self._redact(", ".join(self.urls)), url, detail)
+        elif why == "changed":
+            logger.warning("%s: %s changed while this pass ran; passed over (the next pass fetches the new version)",
+                           self._redact(", ".join(self.urls)), url)
+        else:
+            logger.warning("%s: %s was deleted before it was fetched; passed over", self._redact(", ".join(self.urls)),
+                           url)
         with cache._locked():
             state = self._read(cache)
-            _mark_fetched(state, path, end)
+            if _owns(state, claim):
+                del state["claims"][claim.path]
+            if why == "corrupt":
+                state["bad"][claim.path] = {"version": claim.version, "why": detail[:500]}
+            _mark_passed_over(state, claim.path, why)
+            self._write(cache, state)
+        return True
+
+    def _check_claim(self, state: dict[str, Any], claim: _Claim, start: int, end: int) -> None:
+        """Raise :class:`ClaimLostError` unless ``claim`` still holds (or may be taken back:
+        nobody else took it and nothing of ``start:end`` is held). Assumes you hold the lock."""
+        if _owns(state, claim):
+            return
+        entry = state["held"].get(claim.path, {"pieces": []})
+        overlap = any(s < end and start < e for _, s, e in entry["pieces"])
+        if claim.path not in state["claims"] and claim.path not in state["done"] and not overlap:
+            pid, start_time = _proc.this_process()
+            state["claims"][claim.path] = {"pid": pid, "start_time": start_time, "host": _proc.this_host(),
+                                           "time": time.time(), "worker": -1, "token": claim.token}
+            return
+        raise ClaimLostError(
+            f"the claim on {self._url(claim.path)} in {state['source']} was taken over by another process while this "
+            f"one copied it (it stalled for longer than the owner expiry, {_proc.owner_expiry():g} s): the copy is "
+            "dropped, so its records are not published twice")
+
+    def _commit(self, cache: Cache, claim: _Claim, start: int, end: int, finish: bool, info: ShardInfo) -> None:
+        """Record that ``info`` holds bytes ``start:end`` of the claimed shard; with ``finish``,
+        that it ends the stream and the fetch. Called under the lock, just before ``info`` is
+        published: a claim lost meanwhile raises :class:`ClaimLostError`, and nothing is published."""
+        state = self._read(cache)
+        self._check_claim(state, claim, start, end)
+        held = state["held"].get(claim.path)
+        if held is None or held.get("version") not in (None, claim.version):
+            held = state["held"][claim.path] = {"end": None, "pieces": []}
+        held["version"] = claim.version
+        held["pieces"].append([info.seq, start, end])
+        state["claims"][claim.path]["time"] = time.time()
+        if finish:
+            _mark_fetched(state, claim.path, end)
+        self._write(cache, state)
+
+    def _finish(self, cache: Cache, claim: _Claim, end: int) -> None:
+        with cache._locked():
+            state = self._read(cache)
+            held = state["held"].setdefault(claim.path, {"end": None, "pieces": []})
+            held["version"] = claim.version
+            _mark_fetched(state, claim.path, end)
             self._write(cache, state)
 
-    def _release(self, cache: Cache, path: str) -> None:
+    def _heartbeat(self, cache: Cache, claim: _Claim) -> bool:
+        """Refresh the time of ``claim``; ``False`` once it is no longer ours."""
+        with cache._locked():
+            state = self._read(cache)
+            if not _owns(state, claim):
+                return False
+            state["claims"][claim.path]["time"] = time.time()
+            self._write(cache, state, durable=False)
+            return True
+
+    def _release(self, cache: Cache, claim: _Claim) -> None:
         """Give a claim back (the fetch stopped or failed); its published pieces stay held."""
         try:
             with cache._locked():
                 state = self._read(cache)
-                state["claims"].pop(path, None)
-                self._write(cache, state, durable=False)
+                if _owns(state, claim):
+                    del state["claims"][claim.path]
+                    self._write(cache, state, durable=False)
         except OSError as exc:  # a dead claim is taken over anyway, once its process is gone
-            logger.warning("could not release the claim on %s in %s: %s", self._url(path), cache.path, exc)
+            logger.warning("could not release the claim on %s in %s: %s", self._url(claim.path), cache.path, exc)
+
+
+class ClaimLostError(GrowcacheError, RuntimeError):
+    """A shard source's claim on a remote shard was taken over while its copy ran; raised by
+    the publish hook, so the copy is never published next to the new owner's."""
+
+
+class _ClaimKeeper:
+    """The heartbeat of one claim: a daemon thread refreshes its time every
+    :func:`~growcache._proc.heartbeat_interval` seconds until :meth:`stop`, and sets
+    ``lost`` once the claim is no longer ours. A thread, not the copy loop: a copy also
+    waits in store retries and for room to publish, and must not lose its claim there."""
+
+    def __init__(self, source: TFRecordShardSource, cache: Cache, claim: _Claim) -> None:
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(source, cache, claim), daemon=True,
+                                        name="growcache-claim-heartbeat")
+        self._thread.start()
+
+    def _run(self, source: TFRecordShardSource, cache: Cache, claim: _Claim) -> None:
+        while not self._stop.wait(_proc.heartbeat_interval()):
+            try:
+                if not source._heartbeat(cache, claim):
+                    self.lost = True
+                    return
+            except Exception as exc:  # a missed beat is retried at the next; the expiry allows five
+                logger.debug("heartbeat of the claim on %s failed: %s", claim.path, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _owns(state: dict[str, Any], claim: _Claim) -> bool:
+    held = state["claims"].get(claim.path)
+    return held is not None and held.get("token") == claim.token
+
+
+def _discard(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _refuse_linked_sources(cache: Cache) -> None:
+    """growcache writes and deletes in ``sources/``: never through a link to elsewhere."""
+    directory = cache._manifest.sources_dir
+    if os.path.islink(directory):
+        raise CacheFormatError(f"{directory} is a symbolic link; growcache writes and deletes files there, and a link "
+                               "could point outside the cache. Replace it with a directory (or remove it: shard "
+                               "sources then start afresh).")
+
+
+# fsspec info keys that name an object's version, the most precise first.
+_VERSION_KEYS = ("generation", "VersionId", "etag", "ETag", "md5Hash", "mtime", "LastModified", "updated", "created",
+                 "ino")
+
+
+def _version(info: Any) -> str:
+    """A remote shard's version: its size and whatever the store says identifies its content."""
+    if not isinstance(info, dict):
+        return "?"
+    parts = [f"size={info.get('size')}"]
+    parts += [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) is not None]
+    return ";".join(parts)
 
 
 def _mark_fetched(state: dict[str, Any], path: str, end: int) -> None:
@@ -384,19 +679,25 @@ def _mark_fetched(state: dict[str, Any], path: str, end: int) -> None:
             state["history"][-1]["fetched"].append(path)
 
 
+def _mark_passed_over(state: dict[str, Any], path: str, why: str) -> None:
+    state["skipped"][path] = why
+    if path not in state["done"]:
+        state["done"].append(path)
+
+
 @dataclass(frozen=True)
 class _Commit:
     """The publish hook of one fetched piece."""
 
     source: TFRecordShardSource
     cache: Cache
-    path: str
+    claim: _Claim
     start: int
     end: int
     finish: bool
 
     def __call__(self, info: ShardInfo) -> None:
-        self.source._commit(self.cache, self.path, self.start, self.end, self.finish, info)
+        self.source._commit(self.cache, self.claim, self.start, self.end, self.finish, info)
 
 
 class _Stopping(Exception):
@@ -429,43 +730,88 @@ class _Until:
             yield frame
 
 
-def _damage(state: dict[str, Any]) -> str | None:
-    """What is wrong with a state file's content, or ``None``: every value is checked before use."""
-    def ints(values: Any, count: int) -> bool:
-        return isinstance(values, list) and len(values) == count and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in values)
+# -- checking the state ----------------------------------------------------------------------------
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
-    def strings(values: Any) -> bool:
-        return isinstance(values, list) and all(isinstance(v, str) for v in values)
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _strings(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(v, str) for v in values)
+
+
+def _held_entry_ok(entry: Any) -> bool:
+    return (isinstance(entry, dict) and (entry.get("end") is None or _is_int(entry.get("end")))
+            and isinstance(entry.get("version", ""), str) and isinstance(entry.get("pieces"), list)
+            and all(isinstance(p, list) and len(p) == 3 and all(_is_int(v) for v in p) and p[1] <= p[2]
+                    for p in entry["pieces"]))
+
+
+def _damage(state: dict[str, Any]) -> str | None:
+    """What is wrong with a state file's content, or ``None``: every value is checked before use.
+
+    Claims are checked one by one apart (:func:`_claim_damage`): a damaged claim is dropped
+    as expired, and the rest of the state stays.
+    """
+    def mapping(name: str, check: Callable[[Any], bool]) -> bool:
+        value = state.get(name, {})
+        return isinstance(value, dict) and all(isinstance(k, str) and check(v) for k, v in value.items())
 
     checks = [
-        (isinstance(state.get("pass", 0), int), "pass"),
-        (strings(state.get("order", [])), "order"),
-        (strings(state.get("done", [])), "done"),
-        (isinstance(state.get("claims", {}), dict) and all(isinstance(c, dict) for c in state.get("claims", {}).values()),
-         "claims"),
-        (isinstance(state.get("held", {}), dict) and all(
-            isinstance(e, dict) and (e.get("end") is None or isinstance(e.get("end"), int))
-            and isinstance(e.get("pieces"), list) and all(ints(p, 3) for p in e["pieces"])
-            for e in state.get("held", {}).values()), "held"),
+        (_is_int(state.get("pass", 0)), "pass"),
+        (_is_number(state.get("started", 0)), "started"),
+        (_is_int(state.get("known", 0)), "known"),
+        (_is_int(state.get("rewritten", 0)), "rewritten"),
+        (_strings(state.get("order", [])), "order"),
+        (_strings(state.get("done", [])), "done"),
+        (mapping("claims", lambda c: isinstance(c, dict)), "claims"),
+        (mapping("held", _held_entry_ok), "held"),
+        (mapping("skipped", lambda why: why in ("vanished", "changed", "corrupt")), "skipped"),
+        (mapping("bad", lambda b: isinstance(b, dict) and isinstance(b.get("version"), str)
+                 and isinstance(b.get("why", ""), str)), "bad"),
         (isinstance(state.get("history", []), list) and all(
-            isinstance(h, dict) and strings(h.get("fetched", [])) for h in state.get("history", [])), "history"),
+            isinstance(h, dict) and _strings(h.get("fetched", [])) and _is_int(h.get("total", 0))
+            and _is_int(h.get("pass", 0)) and _is_number(h.get("started", 0)) for h in state.get("history", [])),
+         "history"),
     ]
     bad = [name for ok, name in checks if not ok]
     return f"bad {', '.join(bad)}" if bad else None
 
 
+def _claim_damage(claim: dict[str, Any]) -> str | None:
+    """What is wrong with one claim, or ``None``."""
+    if not _is_int(claim.get("pid"), 1):
+        return f"pid {claim.get('pid')!r}"
+    if claim.get("start_time") is not None and not _is_int(claim.get("start_time")):
+        return f"start_time {claim.get('start_time')!r}"
+    if claim.get("host") is not None and not isinstance(claim.get("host"), str):
+        return f"host {claim.get('host')!r}"
+    moment = claim.get("time")
+    if not _is_number(moment) or moment > time.time() + _proc.owner_expiry():  # a time to come pins it too
+        return f"time {moment!r}"
+    if not isinstance(claim.get("token", ""), str) or not isinstance(claim.get("worker", 0), int):
+        return "token or worker"
+    return None
+
+
 def _prune(state: dict[str, Any], live: set[int]) -> None:
-    """Forget held pieces whose shard was evicted, and claims whose process is gone."""
+    """Forget held pieces whose shard was evicted, and claims whose owner is gone: its process
+    ended, or its heartbeat is older than the owner expiry (wherever it runs)."""
     for path in list(state["held"]):
         entry = state["held"][path]
         entry["pieces"] = [p for p in entry["pieces"] if p[0] in live]
         if not entry["pieces"] and entry.get("end") != 0:
             del state["held"][path]
+    now, expiry = time.time(), _proc.owner_expiry()
     for path, claim in list(state["claims"].items()):
-        if not _proc.is_alive(claim.get("pid", 0), claim.get("start_time"), claim.get("host"), claim.get("time")):
-            logger.info("%s: the fetch of %s by pid %s ended without finishing; it is fetched again (only its "
-                        "missing pieces)", state["source"], path, claim.get("pid"))
+        stale = now - claim["time"] > expiry
+        if stale or not _proc.is_alive(claim["pid"], claim.get("start_time"), claim.get("host"), claim["time"]):
+            logger.info("%s: the fetch of %s by pid %s ended without finishing%s; it is fetched again (only its "
+                        "missing pieces)", state["source"], path, claim["pid"],
+                        " (no heartbeat for longer than the owner expiry)" if stale else "")
             del state["claims"][path]
 
 
@@ -495,26 +841,26 @@ def _missing(state: dict[str, Any], path: str) -> tuple[tuple[int, int | None], 
 
 
 def pass_progress(cache: Cache) -> list[PassProgress]:
-    """Where each shard source that filled ``cache`` stands: its pass, and shards fetched in it."""
+    """Where each shard source that filled ``cache`` stands: its pass, shards fetched and passed over in it."""
     live = {s.seq for s in cache.list_shards()}
     out = []
     for state in cache._manifest.source_states():
         if _damage(state) is not None:
             continue  # a damaged state file: status shows the rest
-        try:
-            order, done = state.get("order", []), set(state.get("done", []))
-            held = state.get("held", {})
-            whole = 0
-            for path, entry in held.items():
-                pieces = [p for p in entry.get("pieces", []) if p[0] in live]
-                if entry.get("end") is not None and not any(True for _ in _gaps({"pieces": pieces, "end": entry["end"]})):
-                    whole += 1
-            out.append(PassProgress(
-                source=str(state.get("source", "?")), pass_number=int(state.get("pass", 0)),
-                fetched=sum(1 for p in order if p in done), total=len(order),
-                in_flight=len(state.get("claims", {})), held=whole,
-                known=int(state.get("known", len(set(order) | set(held)))),
-            ))
-        except (TypeError, ValueError, AttributeError, IndexError):
-            continue  # a damaged state file: status shows the rest
+        order, done = state.get("order", []), set(state.get("done", []))
+        held, skipped = state.get("held", {}), state.get("skipped", {})
+        whole = 0
+        for entry in held.values():
+            pieces = [p for p in entry["pieces"] if p[0] in live]
+            if entry.get("end") is not None and not any(True for _ in _gaps({"pieces": pieces, "end": entry["end"]})):
+                whole += 1
+        why = list(skipped.values())
+        out.append(PassProgress(
+            source=str(state.get("source", "?")), pass_number=state.get("pass", 0),
+            fetched=sum(1 for p in order if p in done and p not in skipped), total=len(order),
+            in_flight=sum(1 for c in state.get("claims", {}).values() if _claim_damage(c) is None),
+            held=whole, known=state.get("known", len(set(order) | set(held))),
+            vanished=why.count("vanished"), changed=why.count("changed") + state.get("rewritten", 0),
+            corrupt=len(state.get("bad", {})),
+        ))
     return out

@@ -136,18 +136,19 @@ def test_gzip_remote_shards_are_copied_decompressed(tmp_path):
     assert sorted(got) == sorted(r for records in remote.values() for r in records)
 
 
-def test_a_record_off_schema_names_the_remote_file_and_offset_and_releases_the_claim(tmp_path):
+def test_a_record_off_schema_is_passed_over_with_a_warning_naming_file_and_offset(tmp_path, caplog):
     records = [labelled(0, i) for i in range(3)] + [example([("label", bytes_feature(b"x")), ("x", bytes_feature(bytes(64)))])]
     os.makedirs(tmp_path / "remote")
     (tmp_path / "remote" / "bad").write_bytes(framed(records))
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
     source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
-    with pytest.raises(SchemaError) as info:
-        fetch_once(source, cache)
-    assert str(tmp_path / "remote" / "bad") in str(info.value)
-    assert f"at byte offset {len(framed(records[:3]))}" in str(info.value) and "'label'" in str(info.value)
+    with caplog.at_level("WARNING", logger="growcache"):
+        assert fetch_once(source, cache) == []
+    assert str(tmp_path / "remote" / "bad") in caplog.text and "passed over until it changes" in caplog.text
+    assert f"at byte offset {len(framed(records[:3]))}" in caplog.text and "'label'" in caplog.text
     assert state_of(cache, source)["claims"] == {} and not cache.list_shards()
     assert not [n for n in os.listdir(cache.shards_dir) if n.startswith(".tmp")]
+    assert pass_progress(cache)[0].corrupt == 1
 
 
 def _fetch_until_killed(remote: str, cache_path: str, ready) -> None:

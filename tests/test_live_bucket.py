@@ -1,0 +1,253 @@
+"""TFRecordShardSource on a live bucket and an untrusted state file (issue 29).
+
+Files come and go while passes run; the state under ``sources/`` may be tampered with;
+claims of other machines live by their heartbeat. The fetch protocol is driven the way a
+sampler worker drives it (tests/test_shard_source.py's helpers); two tests run real
+processes as two machines (``GROWCACHE_NODE``), one a real SamplerPool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_shard_source import SCHEMA, fetch_once, make_remote, state_of
+from tfrecords import framed, labelled
+
+from growcache import Cache, CacheFormatError, SamplerPool, TFRecordShardSource
+from growcache.records import iter_records
+from growcache import shard_source
+from growcache.shard_source import pass_progress
+
+
+def _records(cache: Cache) -> list[bytes]:
+    return [bytes(r) for s in cache.list_shards() for _, r in iter_records(s.path)]
+
+
+def _plant(cache: Cache, source: TFRecordShardSource, **changes) -> None:
+    state = state_of(cache, source)
+    state.update(changes)
+    with open(os.path.join(cache.path, "sources", f"{source.key}.json"), "w") as f:
+        json.dump(state, f)
+
+
+def _drain(source: TFRecordShardSource, cache: Cache, limit: int = 50) -> list:
+    """Fetch until the pass has nothing more to give (a shard passed over gives nothing either);
+    return what was published."""
+    published = []
+    for _ in range(limit):
+        got = fetch_once(source, cache)
+        published += got
+        state = state_of(cache, source)
+        if not got and set(state["order"]) <= set(state["done"]):
+            return published
+    raise AssertionError("the source never ran dry")
+
+
+# -- state under sources/ is untrusted -----------------------------------------------------------
+def test_a_tampered_pass_order_never_fetches_a_file_outside_the_glob(tmp_path, caplog):
+    remote = make_remote(tmp_path / "remote", 2)
+    outside = tmp_path / "remote" / "secret"
+    outside.write_bytes(framed([labelled(99, i) for i in range(3)]))  # valid records, not in the glob
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "train-*"))
+    fetch_once(source, cache)
+    state = state_of(cache, source)
+    _plant(cache, source, order=[str(outside), *state["order"]], done=state["done"])
+    with caplog.at_level("WARNING", logger="growcache"):
+        _drain(source, cache)
+    assert sorted(_records(cache)) == sorted(r for records in remote.values() for r in records)
+    assert "secret is not in the store's listing" in caplog.text
+
+
+@pytest.mark.parametrize("claim", [
+    {"time": None, "host": "another-machine"},  # pinned the shard forever
+    {"time": "yesterday", "host": "another-machine"},  # a raw TypeError ended the pool
+    {"time": 1e18, "host": "another-machine"},  # a time to come
+    {"pid": "1"},
+    {"pid": 1, "start_time": None, "time": 0},  # pid 1 lives forever; its heartbeat is decades old
+])
+def test_a_damaged_claim_counts_as_expired_with_a_warning(tmp_path, caplog, claim):
+    remote = make_remote(tmp_path / "remote", 2)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    state = state_of(cache, source)
+    (rest,) = [p for p in state["order"] if p not in state["done"]]
+    planted = {"pid": os.getpid(), "start_time": None, "host": None, "time": time.time(), "worker": 0}
+    _plant(cache, source, claims={rest: {**planted, **claim}})
+    with caplog.at_level("INFO", logger="growcache"):
+        assert len(fetch_once(source, cache)) == 1  # the planted claim does not hold the shard
+    assert "counts as expired" in caplog.text or "no heartbeat for longer than the owner expiry" in caplog.text
+    assert sorted(_records(cache)) == sorted(r for records in remote.values() for r in records)
+
+
+def test_a_linked_sources_directory_is_refused(tmp_path):
+    make_remote(tmp_path / "remote", 1)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(cache.path, "sources"))
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    with pytest.raises(CacheFormatError, match="sources is a symbolic link"):
+        fetch_once(source, cache)
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+# -- a live bucket ---------------------------------------------------------------------------------
+def test_a_shard_deleted_during_a_pass_is_passed_over_and_counted(tmp_path, caplog, monkeypatch):
+    remote = make_remote(tmp_path / "remote", 4)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    state = state_of(cache, source)
+    gone = os.path.basename([p for p in state["order"] if p not in state["done"]][0])
+    os.unlink(tmp_path / "remote" / gone)
+    with caplog.at_level("WARNING", logger="growcache"):
+        _drain(source, cache)
+    assert caplog.text.count(f"{gone} was deleted before it was fetched") == 1
+    progress, = pass_progress(cache)
+    assert (progress.fetched, progress.vanished, progress.total) == (3, 1, 4)
+    expected = [r for name, records in remote.items() if name != gone for r in records]
+    assert sorted(_records(cache)) == sorted(expected)
+    make_remote(tmp_path / "new", 1)
+    os.replace(tmp_path / "new" / "train-00000-of-00001", tmp_path / "remote" / "added")
+    monkeypatch.setattr(shard_source, "_RELIST_S", 0.0)  # a source with nothing to do lists the store this often
+    assert len(fetch_once(source, cache)) == 1  # pass 2 lists the store again: the added file
+    assert pass_progress(cache)[0].pass_number == 2
+
+
+def test_a_shard_rewritten_between_passes_is_fetched_whole_never_from_stale_offsets(tmp_path, caplog):
+    make_remote(tmp_path / "remote", 1)
+    path = tmp_path / "remote" / "train-00000-of-00001"
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"), max_shard_records=3)
+    assert [s.records for s in fetch_once(source, cache)] == [3, 3, 3, 1]
+    cache.evict(to=cache.stats().bytes - cache.list_shards()[0].nbytes)  # the first piece goes
+    new = [labelled(50 + i % 2, i) for i in range(10)]  # the same size, other records
+    path.write_bytes(framed(new))
+    with caplog.at_level("WARNING", logger="growcache"):
+        published = fetch_once(source, cache)
+    assert [s.records for s in published] == [3, 3, 3, 1], "the new version is fetched whole"
+    assert [bytes(r) for s in published for _, r in iter_records(s.path)] == new
+    assert "changed since it was fetched" in caplog.text
+    assert pass_progress(cache)[0].changed == 1
+
+
+def test_a_corrupt_remote_shard_is_passed_over_once_until_it_changes(tmp_path, caplog):
+    remote = make_remote(tmp_path / "remote", 3)
+    bad = tmp_path / "remote" / "train-00001-of-00003"
+    blob = bytearray(bad.read_bytes())
+    blob[40] ^= 0xFF
+    bad.write_bytes(blob)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    with caplog.at_level("WARNING", logger="growcache"):
+        _drain(source, cache)
+        cache.evict(to=0)
+        _drain(source, cache)  # pass 2: the corrupt file is not tried again
+    assert caplog.text.count("train-00001-of-00003 is corrupt or off the cache's schema") == 1
+    assert "data CRC32C mismatch" in caplog.text
+    assert pass_progress(cache)[0].corrupt == 1 and pass_progress(cache)[0].pass_number == 2
+    bad.write_bytes(framed(remote["train-00001-of-00003"]))  # repaired: fetched in the next pass
+    cache.evict(to=0)
+    published = _drain(source, cache)
+    assert len(published) == 3 and pass_progress(cache)[0].corrupt == 0
+
+
+def test_a_pool_rides_over_deleted_and_corrupt_shards(tmp_path):
+    remote = make_remote(tmp_path / "remote", 6, records=4)
+    (tmp_path / "remote" / "train-00002-of-00006").write_bytes(b"not a tfrecord file" * 8)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    with SamplerPool(cache, source, workers=2, seed=0) as pool:
+        os.unlink(tmp_path / "remote" / "train-00004-of-00006")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            progress = pass_progress(cache)
+            if progress and progress[0].total and progress[0].fetched + progress[0].vanished + progress[0].corrupt \
+                    == progress[0].total:
+                break
+            time.sleep(0.1)
+        pool.wait_for(records=4 * 4, timeout=30)  # raises if a worker failed
+    progress, = pass_progress(cache)
+    assert progress.corrupt == 1 and progress.fetched + progress.vanished + 1 == progress.total
+    expected = {r for name, records in remote.items() if name not in ("train-00002-of-00006",) for r in records}
+    got = _records(cache)
+    assert len(got) == len(set(got)) and set(got) <= expected and len(got) >= 4 * 4
+
+
+# -- claims: a heartbeat, and a check before publishing ---------------------------------------------
+_MACHINE = """
+import contextlib, os, sys, time
+from growcache import Cache, TFRecordShardSource
+from growcache.shard_source import FetchJob
+
+class Slow(TFRecordShardSource):
+    def chunks(self, path, start=0, size=None):
+        for chunk in super().chunks(path, start, size):
+            print("READING", flush=True)
+            time.sleep({delay})
+            yield chunk
+
+cache = Cache({cache!r})
+source = Slow({url!r}, chunk_bytes=512)
+deadline = time.monotonic() + {seconds}
+while time.monotonic() < deadline:
+    with contextlib.closing(source.fetch(FetchJob(cache, 0, 0, lambda: False))) as shards:
+        for shard in shards:
+            try:
+                cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit)
+                print("PUBLISHED", shard.records, flush=True)
+            except Exception as exc:
+                os.unlink(shard.path)
+                print("REFUSED", type(exc).__name__, flush=True)
+    time.sleep(0.05)
+print("END", flush=True)
+"""
+
+
+def _machine(name: str, cache: Cache, url: str, *, delay: float, seconds: float) -> subprocess.Popen:
+    code = _MACHINE.format(delay=delay, cache=cache.path, url=url, seconds=seconds)
+    env = dict(os.environ, GROWCACHE_NODE=name, GROWCACHE_OWNER_EXPIRY="1.2")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _remote_for_claims(tmp_path) -> tuple[Cache, str, list[bytes]]:
+    remote = make_remote(tmp_path / "remote", 1, records=40)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    return cache, str(tmp_path / "remote" / "*"), remote["train-00000-of-00001"]
+
+
+def test_a_copy_that_outlasts_the_claim_expiry_keeps_its_claim_by_heartbeat(tmp_path):
+    cache, url, records = _remote_for_claims(tmp_path)
+    a = _machine("machine-a", cache, url, delay=0.5, seconds=0.1)  # ~4 s of copying: 3 expiries
+    assert a.stdout.readline().strip() == "READING"
+    b = _machine("machine-b", cache, url, delay=0.0, seconds=4.0)
+    out_b, err_b = b.communicate(timeout=60)
+    out_a, err_a = a.communicate(timeout=60)
+    assert "PUBLISHED 40" in out_a, err_a
+    assert "PUBLISHED" not in out_b, "machine b fetched a shard machine a was still copying"
+    assert sorted(_records(cache)) == sorted(records)
+
+
+def test_a_copy_whose_claim_was_taken_over_publishes_nothing(tmp_path):
+    cache, url, records = _remote_for_claims(tmp_path)
+    a = _machine("machine-a", cache, url, delay=0.2, seconds=0.1)
+    assert a.stdout.readline().strip() == "READING"
+    os.kill(a.pid, signal.SIGSTOP)  # frozen past the expiry: its heartbeat stops
+    try:
+        time.sleep(2.5)
+        b = _machine("machine-b", cache, url, delay=0.0, seconds=2.0)
+        out_b, err_b = b.communicate(timeout=60)
+        assert "PUBLISHED 40" in out_b, err_b
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    out_a, err_a = a.communicate(timeout=60)
+    assert "PUBLISHED" not in out_a and ("REFUSED ClaimLostError" in out_a or "taken over" in err_a), (out_a, err_a)
+    assert sorted(_records(cache)) == sorted(records), "each record once"
