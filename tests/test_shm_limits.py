@@ -153,21 +153,24 @@ if __name__ == "__main__":
 def _private_shm_prefix(size: str) -> tuple[list[str], str]:
     """A command prefix that runs a command with a tmpfs of ``size`` on ``/dev/shm`` of its own
     (a private mount namespace), and how; or ``([], why not)``."""
-    mount = f'mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && exec "$@"'
+    mount = f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm"
     ways = []
     if os.geteuid() == 0:
-        ways.append(("root", ["unshare", "--mount"]))
-    ways.append(("a user namespace", ["unshare", "--user", "--map-root-user", "--mount"]))
+        ways.append(("root", ["unshare", "--mount"], f'{mount} && exec "$@"'))
+    ways.append(("a user namespace", ["unshare", "--user", "--map-root-user", "--mount"], f'{mount} && exec "$@"'))
     if os.geteuid() != 0 and shutil.which("sudo"):
-        ways.append(("sudo", ["sudo", "-n", "--preserve-env", "unshare", "--mount"]))
+        # A CI runner's user: mount as root, then run the command as this user again, so that
+        # the files it makes under tmp_path stay this user's.
+        back = f"setpriv --reuid={os.getuid()} --regid={os.getgid()} --clear-groups --"
+        ways.append(("sudo", ["sudo", "-n", "--preserve-env", "unshare", "--mount"], f'{mount} && exec {back} "$@"'))
     reasons = []
-    for how, prefix in ways:
+    for how, prefix, script in ways:
         if shutil.which(prefix[0]) is None:
             reasons.append(f"{how}: no {prefix[0]}")
             continue
-        probe = subprocess.run([*prefix, "sh", "-c", mount, "sh", "true"], capture_output=True, text=True, timeout=60)
+        probe = subprocess.run([*prefix, "sh", "-c", script, "sh", "true"], capture_output=True, text=True, timeout=60)
         if probe.returncode == 0:
-            return [*prefix, "sh", "-c", mount, "sh"], how
+            return [*prefix, "sh", "-c", script, "sh"], how
         reasons.append(f"{how}: {probe.stderr.strip() or probe.returncode}")
     return [], "; ".join(reasons)
 
