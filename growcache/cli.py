@@ -97,6 +97,13 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="the cache directory")
 
 
+def _passed_over(progress: Any) -> str:
+    """``; passed over: 1 vanished, 2 corrupt`` for a shard source's pass, or nothing."""
+    counts = [(progress.vanished, "vanished"), (progress.changed, "changed"), (progress.corrupt, "corrupt")]
+    shown = [f"{n} {what}" for n, what in counts if n]
+    return f"; passed over: {', '.join(shown)}" if shown else ""
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from .shard_source import pass_progress
 
@@ -117,7 +124,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("oldest", _time(s.oldest_publish_time)),
         ("newest", _time(s.newest_publish_time)),
         *((("source", f"{p.source}: pass {p.pass_number}, {p.fetched} of {p.total} shards fetched "
-                      f"({p.in_flight} in flight); the cache holds {p.held} of {p.known} whole")
+                      f"({p.in_flight} in flight); the cache holds {p.held} of {p.known} whole"
+                      + _passed_over(p))
            for p in pass_progress(cache))),
     ]
     width = max(len(k) for k, _ in rows)
