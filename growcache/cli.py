@@ -95,6 +95,12 @@ def _time(ts: float | None) -> str:
 # -- status, verify, prune ----------------------------------------------------------------------
 def _status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="the cache directory")
+    p.add_argument("--watch", action="store_true",
+                   help="refresh a live view (fill rate, evictions, leases and pinned bytes, samplers' request latency) "
+                        "every --interval seconds until Ctrl-C: redrawn on a terminal, one line per interval without")
+    p.add_argument("--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between refreshes "
+                   "(default: 2)")
+    p.add_argument("--count", type=int, default=None, metavar="N", help="stop after N refreshes (default: never)")
 
 
 def _passed_over(progress: Any) -> str:
@@ -108,6 +114,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .shard_source import pass_progress
 
     cache = _existing_cache(args.path)
+    if args.watch:
+        from ._watch import watch
+
+        if args.count is not None and args.count < 1:
+            raise _UsageError(f"--count must be at least 1, got {args.count}")
+        return watch(cache, interval=args.interval, count=args.count)
     s = cache.stats()
     rows = [
         ("path", s.path),

@@ -39,7 +39,7 @@ from ._size import format_size
 from .cache import Cache
 
 __all__ = ["DEFAULT_LOGGED", "CacheFigures", "InputFigures", "InputMeter", "InputStats", "MeteredLoader", "input_stats",
-           "live_meters", "stats_source"]
+           "live_meters", "sampler_reader", "sampler_summary", "stats_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,8 @@ class InputFigures:
             c = self.cache
             parts.append(f"cache {format_size(c.bytes)} (+{format_size(c.published_bytes)}, "
                          f"-{format_size(c.evicted_bytes)})")
+        if self.samplers:
+            parts.append(sampler_summary(self.samplers))
         if not self.finished and self.epoch is not None:
             parts.append("stopped early")
         return f"{head}: " + ", ".join(parts)
@@ -290,7 +292,7 @@ class InputMeter:
         self.cache = epochs.cache
         self.gather = gather
         self.log = log
-        self._samplers = samplers if samplers is not None else _sampler_figures(self.cache)
+        self._samplers = samplers if samplers is not None else sampler_reader(self.cache)
         self._lock = threading.Lock()
         self._records: dict[int, _Record] = {}  # token -> record, the open epochs
         self.latest: _Record | None = None
@@ -626,14 +628,29 @@ def live_meters() -> list[InputMeter]:
         return [m for m in (ref() for ref in _METERS) if m is not None]
 
 
-def _sampler_figures(cache: Any) -> Callable[[], Mapping[str, Any] | None] | None:
-    # The samplers' stats file is the sampler module's to write and read; it may not ship one.
+def sampler_reader(cache: Any) -> Callable[[], Mapping[str, Any] | None] | None:
+    """A function that reads the figures of the sampler pools running on ``cache`` from their
+    stats files (summed, the slowest pool's latencies; ``None`` when none runs); ``None`` if
+    this growcache has no such files."""
     try:
-        from . import sampler
+        from ._sampler_stats import read_sampler_stats
     except ImportError:
         return None
-    reader = getattr(sampler, "read_sampler_stats", None)
-    if reader is None:
-        return None
-    return lambda: reader(cache)
+    return lambda: read_sampler_stats(cache)
 
+
+def sampler_summary(figures: Mapping[str, Any] | None) -> str:
+    """The samplers' figures in a few words: rate, requests in flight, latency percentiles,
+    throttling; ``""`` when no sampler publishes them."""
+    if not figures:
+        return ""
+    text = (f"samplers {figures.get('mb_per_s', 0.0):.1f} MB/s, {figures.get('requests_in_flight', 0)} requests in "
+            f"flight, latency p50 {_millis(figures.get('latency_p50', 0.0))} p95 "
+            f"{_millis(figures.get('latency_p95', 0.0))} p99 {_millis(figures.get('latency_p99', 0.0))}")
+    if figures.get("throttle_events"):
+        text += f", {figures['throttle_events']} throttled"
+    return text
+
+
+def _millis(seconds: float) -> str:
+    return f"{1000 * seconds:.0f} ms"
