@@ -603,11 +603,11 @@ def _create_segment(nbytes: int, space: SharedMemorySpace) -> tuple[shared_memor
         fd = None
         try:
             fd = _shm_open(shm.name)
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a sweeper's exclusive lock: an instant
             # Another table's sweeper judges by the lock alone: between the creation and the lock
             # it may have removed the name. Then the segment is lost; make another.
             kept = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except (FileNotFoundError, BlockingIOError):
+        except FileNotFoundError:
             kept = False
         except BaseException:
             _discard(shm, fd, unlink=True)
