@@ -307,3 +307,25 @@ def test_a_sweep_leaves_an_old_versions_segment_of_another_process_table_alone(m
     finally:
         os.unlink(path)
 
+
+
+def test_an_unlocked_segment_goes_unless_its_owner_here_lives_and_is_about_to_lock_it():
+    # Between a segment's creation and its first lock, only its name speaks for it: an owner alive
+    # in this process table keeps it; a dead one does not.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = transport._proc.this_host()
+    pid, start = transport._proc.this_process()
+    names = {"alive": f"growcache-v2-{pid}-{start}-{host}-{os.urandom(6).hex()}",
+             "dead": f"growcache-v2-{dead.pid}-1-{host}-{os.urandom(6).hex()}"}
+    for name in names.values():
+        with open(f"/dev/shm/{name}", "wb"):
+            pass
+    try:
+        removed = remove_dead_segments()
+        assert names["dead"] in removed and names["alive"] not in removed
+        assert os.path.exists(f"/dev/shm/{names['alive']}")
+    finally:
+        for name in names.values():
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
