@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -29,7 +28,7 @@ import pytest
 import _fullfs
 from growcache import Cache, Schema, SharedMemoryFullError
 from growcache import transport
-from growcache.transport import BatchLayout, SharedMemorySpace, Slab, make_slabs, remove_dead_segments
+from growcache.transport import BatchLayout, SharedMemorySpace, make_slabs, remove_dead_segments
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory lives in /dev/shm on Linux")
 
