@@ -35,6 +35,8 @@ The bucket is live, and the state file is untrusted:
 * A shard deleted or rewritten during a pass, or a corrupt one, is passed over with one
   warning and counted in the pass progress (``vanished``, ``changed``, ``corrupt``); a
   corrupt one is not fetched again until it changes. The source never stops for one file.
+  Its version is read again after each piece is copied (one metadata request), so no
+  piece publishes bytes of two versions of a shard rewritten while it was read.
 * A claim carries a heartbeat: while its copy runs (or waits for room to publish), a thread
   refreshes its time every :func:`~growcache._proc.heartbeat_interval` seconds, and a claim
   whose time is older than :func:`~growcache._proc.owner_expiry` is dead, wherever its owner
@@ -302,6 +304,13 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 last_segment = (start, stop) == claim.segments[-1]
                 with contextlib.closing(pieces):
                     for piece in pieces:
+                        now = self._version_now(claim.path)
+                        if now != claim.version:
+                            # Rewritten (or deleted) while it was read: this piece may hold bytes of two
+                            # versions. A piece whose reads all came before the change is kept.
+                            _discard(piece.path)
+                            done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
+                            return
                         if keeper.lost:
                             logger.warning("%s: the claim on %s was taken over while it was copied (this process "
                                            "stalled for longer than %g s?); the copy is dropped", self._redact(url),
