@@ -32,6 +32,7 @@ from .errors import (
     SourceError,
     TransientSourceError,
 )
+from .metrics import InputFigures, InputStats, input_stats
 from .schema import FeatureSpec, Schema
 from .shard import ShardInfo, ShardState
 from .snapshot import Snapshot
@@ -52,6 +53,8 @@ __all__ = [
     "FeatureSpec",
     "ForeignLoaderError",
     "GrowcacheError",
+    "InputFigures",
+    "InputStats",
     "MissingExtraError",
     "RefusedFileError",
     "SamplerError",
@@ -70,6 +73,7 @@ __all__ = [
     "VerifyReport",
     "fit_growing",
     "format_size",
+    "input_stats",
     "make_tf_dataset",
     "make_torch_loader",
     "parse_size",

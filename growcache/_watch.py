@@ -83,7 +83,7 @@ def _view(path: str, stats: Any, previous: tuple[float, Any] | None, pools: Any,
         ("fill rate", fill),
         ("evicted", f"{evicted} in the last interval" if previous is not None else "-"),
         ("leases", f"{stats.leases} live, pinning {stats.leased_shards} shards ({format_size(stats.leased_bytes)})"),
-        ("samplers", sampler_summary(pools) or "none running (no fresh stats file)"),
+        ("samplers", sampler_summary(pools).removeprefix("samplers ") or "none running (no fresh stats file)"),
     ]
     width = max(len(k) for k, _ in rows)
     return [f"{key:<{width}}  {value}" for key, value in rows]
