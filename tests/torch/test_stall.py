@@ -113,3 +113,61 @@ def test_an_epoch_left_early_says_so(id_cache, caplog):
         figures = loader.stats().epoch
     assert not figures.finished and figures.batches == 2 and figures.records == 4
     assert any("stopped early" in r.getMessage() for r in caplog.records)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_stall(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
+    """One gloo rank reads one epoch; rank 1's reader is slowed by DELAY_S per batch."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    logging.getLogger("growcache.metrics").addHandler(lines)
+    logging.getLogger("growcache.metrics").setLevel(logging.INFO)
+    if rank == 1:  # num_workers=0: the reader runs in this process
+        growcache.worker_feed.slab_batches = _slowed(growcache.worker_feed.slab_batches)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with make_torch_loader(cache_dir, 4, num_workers=0, shuffle_buffer=0) as loader:
+        batches = sum(1 for _ in loader)
+        f = loader.stats().epoch
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+        json.dump({"batches": batches, "wait": f.data_wait_s, "ranks": f.ranks, "records": f.records,
+                   "lines": lines.lines}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_under_ddp_rank_0_logs_the_most_any_rank_waited(id_cache, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    write_shards(id_cache, [40, 40])  # 10 batches of 4 per rank
+    mp.spawn(_rank_stall, args=(2, id_cache.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["batches"] for r in ranks] == [10, 10]
+    # Both ranks hold the gathered figures: the slow rank's wait, the records of both.
+    assert ranks[0]["wait"] == ranks[1]["wait"] >= 0.8 * 10 * DELAY_S
+    assert [r["ranks"] for r in ranks] == [2, 2] and [r["records"] for r in ranks] == [80, 80]
+    assert len(ranks[0]["lines"]) == 1 and "most of 2 ranks" in ranks[0]["lines"][0], ranks[0]["lines"]
+    assert ranks[0]["lines"][0].startswith("epoch 0: 80 records,")
+    assert ranks[1]["lines"] == []  # rank 0 logs for the group
