@@ -139,11 +139,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
                       f"({p.in_flight} in flight); the cache holds {p.held} of {p.known} whole"
                       + _passed_over(p))
            for p in pass_progress(cache))),
+        *_sampler_rows(cache),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _sampler_rows(cache: Any) -> list[tuple[str, str]]:
+    """One ``samplers`` row per sampler pool running on the cache (from its stats file)."""
+    from ._sampler_stats import read_all
+
+    return [("samplers", f"pid {p['pid']} on {p['host']}: {p['workers']} workers, {p['records']} records in "
+                         f"{p['shards']} shards, {p['mb_per_s']:.1f} MB/s, {p['requests_in_flight']} requests in "
+                         f"flight (limit {p['in_flight_limit']}), latency p50/p95/p99 "
+                         f"{p['latency_p50'] * 1e3:.0f}/{p['latency_p95'] * 1e3:.0f}/{p['latency_p99'] * 1e3:.0f} ms, "
+                         f"{p['throttle_events']} throttled, {p['restarts']} restarts"
+                         + (", FAILED" if p["failed"] else ""))
+            for p in read_all(cache.path)]
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:

@@ -74,7 +74,9 @@ from typing import Any
 import numpy as np
 
 from ._size import format_size, parse_size
+from . import _sampler_stats
 from ._concurrent import _TICKET, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine
+from . import _proc
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
@@ -85,7 +87,9 @@ from .sources import Source, as_source
 from .shard import scan_shards
 from .writer import remove_abandoned_temporaries, temp_owner
 
-__all__ = ["SamplerPool", "SamplerStats", "describe_mismatch", "sample_rng", "worker_rng"]
+read_sampler_stats = _sampler_stats.read_sampler_stats
+
+__all__ = ["SamplerPool", "SamplerStats", "describe_mismatch", "read_sampler_stats", "sample_rng", "worker_rng"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +111,7 @@ _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
+_STATS_FILE_S = 1.0  # the stats file is rewritten this often
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 # After stop(), a worker still inside one sample call this long is interrupted (a silent store).
 _INTERRUPT_AFTER_S = 0.5
@@ -593,6 +598,7 @@ class SamplerPool:
                     self._fail(index, report)
             self._reports.clear()
             self._remove_temporaries()
+            _sampler_stats.remove(self.cache.path)
             for index in range(self.workers):
                 self._close_reports(index)
             if self._index_lock is not None:
@@ -611,6 +617,7 @@ class SamplerPool:
 
     # -- monitoring (a thread of the training process) -------------------------------------
     def _watch(self) -> None:
+        written = 0.0
         while not self._monitor_stop.wait(_POLL_S):
             try:
                 self._check_workers()
@@ -620,6 +627,20 @@ class SamplerPool:
             self._rate.append((now, self._total(_BYTES)))
             while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
                 self._rate.popleft()
+            if now - written >= _STATS_FILE_S:
+                written = now
+                self._write_stats_file()
+
+    def _write_stats_file(self) -> None:
+        """The figures for other processes (``growcache status``, epoch meters): see :mod:`._sampler_stats`."""
+        s = self.stats()
+        _sampler_stats.write(self.cache.path, {
+            "pid": os.getpid(), "host": _proc.this_host(), "workers": s.workers, "concurrency": self.concurrency,
+            "records": s.records, "bytes": s.bytes, "shards": s.shards, "mb_per_s": max(0.0, s.mb_per_s),
+            "requests_in_flight": max(0, s.requests_in_flight), "in_flight_limit": s.in_flight_limit,
+            "latency_p50": s.latency_p50, "latency_p95": s.latency_p95, "latency_p99": s.latency_p99,
+            "throttle_events": s.throttle_events, "restarts": s.restarts, "failed": s.failed,
+        })
 
     def _check_workers(self) -> None:
         with self._lock:

@@ -305,8 +305,9 @@ class StoreSource(Source):
         cap = max(self.retry.max_delay, 0.05)
         return min(left, random.uniform(cap / 2, cap))
 
-    def _outage_failure(self, what: str, url: str, exc: BaseException, since: float) -> TransientSourceError:
-        return TransientSourceError(
+    def _outage_failure(self, what: str, url: str, exc: BaseException, since: float) -> SourceError:
+        # Permanent: a restart would ride out another whole budget.
+        return SourceError(
             f"{what} {url} failed: the store has not answered for {time.monotonic() - since:.0f} s, longer than "
             f"the outage budget of {self.retry.outage_budget:g} s: {self._redact(describe_error(exc))}. Check the "
             "store, or allow longer outages with retry=RetryPolicy(outage_budget=...)."

@@ -1,0 +1,177 @@
+"""A real HTTP range server for tests, with faults on demand: latency, throttling, errors, stalls.
+
+aiohttp's ``web.FileResponse`` serves the files of a directory (Range requests, HEAD), in a
+thread of the test process with its own event loop. The test steers the faults by setting
+attributes while samplers in other processes fetch, and reads what the server saw: requests,
+requests in flight and their peak, bytes in flight and their peak, statuses sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["FaultyHTTPStore", "wait_until"]
+
+
+def wait_until(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _range_bytes(header: str | None, size: int) -> int:
+    """Bytes a ``Range: bytes=a-b`` header asks for (the whole file without one)."""
+    if not header or not header.startswith("bytes="):
+        return size
+    first, _, last = header[6:].partition("-")
+    try:
+        start = int(first) if first else size - int(last)
+        end = int(last) + 1 if (first and last) else size
+    except ValueError:
+        return size
+    return max(0, min(end, size) - max(start, 0))
+
+
+class FaultyHTTPStore:
+    """Serves ``root`` at ``http://127.0.0.1:<port>/``; a context manager.
+
+    Attributes a test sets (any time):
+        latency: seconds each GET waits before its answer.
+        throttle_until: ``time.monotonic()`` before which every GET gets 503 SlowDown.
+        fail_next: statuses the next GETs get, one each (e.g. ``[500]``).
+        fail_paths: URL path -> status that path always gets (e.g. ``{"/b.npy": 403}``).
+        hang_next: how many of the next GETs get no answer at all (until the server closes).
+        down: refuse every connection (the listening socket is closed) while true; set with
+            :meth:`go_down` and :meth:`come_back`.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.latency = 0.0
+        self.throttle_until = 0.0
+        self.fail_next: list[int] = []
+        self.fail_paths: dict[str, int] = {}
+        self.hang_next = 0
+        self.requests = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.bytes_in_flight = 0
+        self.peak_bytes_in_flight = 0
+        self.statuses: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        # Connections cut by go_down() end in asyncio noise on the server side: not the test's concern.
+        self._loop.set_exception_handler(lambda loop, context: None)
+        self._runner: Any = None
+        self._site: Any = None
+        self._hung: list[asyncio.Future[None]] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, name="faulty-http-store", daemon=True)
+
+    # -- life ----------------------------------------------------------------------------------
+    def __enter__(self) -> FaultyHTTPStore:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/{name:.*}", self._serve)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await self._listen()
+
+    async def _listen(self) -> None:
+        from aiohttp import web
+
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await self._site.start()
+
+    async def _stop(self) -> None:
+        for hung in self._hung:
+            if not hung.done():
+                hung.set_result(None)
+        await self._runner.cleanup()
+
+    def go_down(self) -> None:
+        """Refuse connections (and drop the open ones) until :meth:`come_back`."""
+        async def down() -> None:
+            await self._site.stop()
+            # Keep-alive connections would still be served: close every one.
+            for proto in list(getattr(self._runner.server, "connections", [])):
+                proto.force_close()
+        asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
+
+    def come_back(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+
+    def put(self, name: str, data: bytes) -> str:
+        with open(os.path.join(self.root, name), "wb") as f:
+            f.write(data)
+        return f"{self.url}/{name}"
+
+    # -- serving -------------------------------------------------------------------------------
+    def _count(self, status: int) -> None:
+        with self._lock:
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+
+    async def _serve(self, request: Any) -> Any:
+        from aiohttp import web
+
+        path = os.path.join(self.root, request.match_info["name"])
+        if request.method == "HEAD" or not os.path.isfile(path):
+            self._count(200 if os.path.isfile(path) else 404)
+            return web.FileResponse(path) if os.path.isfile(path) else web.Response(status=404)
+        nbytes = _range_bytes(request.headers.get("Range"), os.path.getsize(path))
+        with self._lock:
+            self.requests += 1
+            self.in_flight += 1
+            self.bytes_in_flight += nbytes
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
+            fail = self.fail_next.pop(0) if self.fail_next else self.fail_paths.get(request.path)
+            hang = self.hang_next > 0 and fail is None
+            if hang:
+                self.hang_next -= 1
+        try:
+            if hang:
+                hung = self._loop.create_future()
+                self._hung.append(hung)
+                await hung
+                raise ConnectionResetError("the server closed")
+            if self.latency:
+                await asyncio.sleep(self.latency)
+            if time.monotonic() < self.throttle_until:
+                self._count(503)
+                return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
+            if fail is not None:
+                self._count(fail)
+                return web.Response(status=fail, text=f"failed on purpose with {fail}")
+            self._count(206 if "Range" in request.headers else 200)
+            return web.FileResponse(path)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.bytes_in_flight -= nbytes

@@ -1,0 +1,270 @@
+"""Samplers with many samples in flight (issue 27): same records at any concurrency, retries,
+throttling, stalls, kills, declared concurrency of user sources, bytes in flight.
+
+The stores are real: local files, moto's S3 server, and an aiohttp range server with faults
+on demand (tests/http_store.py). Expected records are computed in the test process from the
+per-sample RNGs, so every comparison is against what the seed says, not against another run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from http_store import FaultyHTTPStore, wait_until as _wait
+from stores import s3, s3_server  # noqa: F401
+
+from growcache import Cache, Schema
+from growcache.errors import SamplerError
+from growcache.example import ExampleCodec
+from growcache.records import iter_records
+from growcache.sampler import SamplerPool, sample_rng
+from growcache.shard import TMP_PREFIX
+from growcache.sources import FunctionSource, NpyWindowSource, ObjectSource, RetryPolicy, Source
+
+WINDOW = 2
+SCHEMA = Schema({"x": ("int64", (WINDOW, 4))})
+QUICK = RetryPolicy(attempts=4, initial_delay=0.05, max_delay=0.2, deadline=10, stall_timeout=5)
+
+
+def _arrays(put, count: int = 3, rows: int = 200) -> list[str]:
+    """``count`` .npy arrays of distinct values, stored with ``put(name, data)``; their URLs."""
+    import io
+
+    urls = []
+    for i in range(count):
+        buf = io.BytesIO()
+        np.save(buf, np.arange(i * rows * 4, (i + 1) * rows * 4, dtype=np.int64).reshape(rows, 4))
+        urls.append(put(f"a{i}.npy", buf.getvalue()))
+    return urls
+
+
+def _expected(source, seed: int, count: int) -> list[bytes]:
+    """The records a fresh cache sampled with ``seed`` and ``stop_after=count`` must hold."""
+    return sorted(source(sample_rng(seed, i, 0))["x"].tobytes() for i in range(count))
+
+
+def _records(cache: Cache) -> list[bytes]:
+    codec = ExampleCodec(cache.schema)
+    return sorted(codec.decode(r)["x"].tobytes() for s in cache.list_shards() for _, r in iter_records(s.path))
+
+
+def _temporaries(cache: Cache) -> list[str]:
+    return [n for n in os.listdir(cache.shards_dir) if n.startswith(TMP_PREFIX)]
+
+
+def _sample_all(tmp_path, name, source, *, workers, concurrency, count, seed=11, **kwargs) -> tuple[Cache, object]:
+    cache = Cache(tmp_path / name, capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, source, workers=workers, concurrency=concurrency, stop_after=count, seed=seed,
+                     shard_size="4KB", max_shard_age=0.5, **kwargs) as pool:
+        stats = pool.join(timeout=120)
+    return cache, stats
+
+
+@pytest.mark.parametrize("concurrency,workers", [(1, 1), (8, 1), (32, 1), (1, 2), (8, 2), (32, 2)])
+def test_same_records_at_any_concurrency_and_worker_count_on_local_files(tmp_path, concurrency, workers):
+    store = tmp_path / "store"
+    store.mkdir()
+
+    def put(name, data):
+        (store / name).write_bytes(data)
+        return str(store / name)
+
+    _arrays(put)
+    source = NpyWindowSource(str(store / "*.npy"), WINDOW)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=120)
+    got = _records(cache)
+    # Compared as sorted lists: a lost or a twice-drawn sample index shows (two indices may
+    # draw the same window by chance, so a set would not do).
+    assert got == _expected(source, 11, 120), "the seed, not the concurrency or worker count, decides the records"
+
+
+@pytest.mark.parametrize("concurrency,workers", [(1, 1), (8, 2), (32, 2)])
+def test_same_records_at_any_concurrency_on_s3(tmp_path, s3, concurrency, workers):  # noqa: F811
+    # moto reads a whole object per ranged GET: small arrays only.
+    _arrays(s3.put, rows=100)
+    source = NpyWindowSource(f"{s3.url}/a*.npy", WINDOW, storage_options=s3.storage_options, retry=QUICK)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=80)
+    assert _records(cache) == _expected(source, 11, 80)
+    if concurrency > 1:
+        assert stats.latency_p50 > 0 and stats.latency_p99 >= stats.latency_p50
+
+
+@pytest.fixture
+def http(tmp_path):
+    root = tmp_path / "http"
+    root.mkdir()
+    with FaultyHTTPStore(str(root)) as store:
+        yield store
+
+
+def _http_source(http, **kwargs) -> NpyWindowSource:
+    urls = _arrays(http.put)
+    return NpyWindowSource(urls, WINDOW, retry=kwargs.pop("retry", QUICK), **kwargs)
+
+
+def test_a_worker_killed_with_requests_in_flight_is_restarted_without_loss_or_duplicate(tmp_path, http):
+    source = _http_source(http)
+    count = 400
+    want = _expected(source, 11, count)
+    http.latency = 0.05  # a far store: requests are always in flight
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, source, workers=2, concurrency=8, stop_after=count, seed=11, shard_size="4KB",
+                     max_shard_age=0.3) as pool:
+        _wait(lambda: pool.stats().records >= 60, what="60 records")
+        assert http.in_flight > 0
+        os.kill(pool.pids[0], signal.SIGKILL)
+        stats = pool.join(timeout=120)
+    assert stats.restarts == 1 and not stats.failed
+    assert _temporaries(cache) == [], "no partial shard is left"
+    assert _records(cache) == want, "the dead worker's unpublished samples were drawn again, once"
+
+
+def test_one_failed_request_among_32_in_flight_is_retried_alone(tmp_path, http):
+    source = _http_source(http)
+    want = _expected(source, 11, 200)
+    http.latency = 0.02
+    http.fail_next = [500]
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=32, count=200)
+    assert http.statuses.get(500) == 1, "the store failed one request"
+    assert _records(cache) == want, "it was retried; nothing lost, nothing duplicated"
+    assert stats.restarts == 0
+
+
+def test_a_permanent_error_stops_the_pool_naming_the_url(tmp_path, http):
+    source = _http_source(http)
+    http.fail_paths = {"/a1.npy": 403}
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    pool = SamplerPool(cache, source, workers=1, concurrency=16, seed=11).start()
+    try:
+        with pytest.raises(SamplerError, match=r"a1\.npy.*403"):
+            pool.wait_for(records=10**6, timeout=60)
+    finally:
+        pool.stop(raise_on_failure=False)
+
+
+def test_throttling_cuts_the_requests_in_flight_then_they_grow_back(tmp_path, http):
+    source = _http_source(http, retry=RetryPolicy(attempts=30, initial_delay=0.05, max_delay=0.2, deadline=20))
+    http.latency = 0.02
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, source, workers=1, concurrency=32, seed=11, shard_size="4KB") as pool:
+        pool.wait_for(records=50, timeout=60)
+        _wait(lambda: pool.stats().in_flight_limit == 32, what="the full in-flight limit")
+        http.throttle_until = time.monotonic() + 1.5
+        limits = []
+        while time.monotonic() < http.throttle_until:
+            limits.append(pool.stats().in_flight_limit)
+            time.sleep(0.05)
+        low = min(limits)
+        before = pool.stats().records
+        _wait(lambda: pool.stats().in_flight_limit >= 16, what="the in-flight limit to grow back")
+        _wait(lambda: pool.stats().records > before + 50, what="records after the throttling")
+        stats = pool.stats()
+    assert http.statuses.get(503, 0) > 0
+    assert low <= 4, f"503 SlowDown cut the requests in flight (lowest limit {low})"
+    assert stats.throttle_events > 0 and not stats.failed and stats.restarts == 0
+
+
+def test_a_request_without_answer_is_cut_by_the_stall_timeout_and_issued_again(tmp_path, http):
+    source = _http_source(http, retry=RetryPolicy(attempts=4, initial_delay=0.05, max_delay=0.1, stall_timeout=1.0))
+    source.header(source.paths()[0])  # fetched here: the first sampler request is then a window
+    http.hang_next = 1
+    started = time.monotonic()
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=8, count=60)
+    assert http.hang_next == 0, "one request got no answer"
+    assert _records(cache) == _expected(source, 11, 60), "it was issued again after the stall timeout"
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
+def test_stop_returns_within_seconds_while_requests_hang(tmp_path, http):
+    source = _http_source(http, retry=RetryPolicy(stall_timeout=120, deadline=300))
+    source.header(source.paths()[0])
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    pool = SamplerPool(cache, source, workers=1, concurrency=16, seed=11).start()
+    try:
+        _wait(lambda: pool.stats().records_written > 0, what="a first record")
+        http.hang_next = 10**6
+        _wait(lambda: http.in_flight >= 8, what="requests hanging")
+    finally:
+        started = time.monotonic()
+        pool.stop(raise_on_failure=False)
+    assert time.monotonic() - started < 10, "stop() cancels the requests in flight, never waits for them"
+    assert _temporaries(cache) == []
+
+
+# -- user sources: concurrent only when they say so ------------------------------------------------
+_busy = [0, 0]  # calls inside now, most seen at once
+_busy_lock = threading.Lock()
+
+
+def counting_sample(rng):
+    """Records in each sample how many calls ran at once (per process)."""
+    with _busy_lock:
+        _busy[0] += 1
+        _busy[1] = max(_busy[1], _busy[0])
+    try:
+        time.sleep(0.005)
+        x = rng.integers(0, 1000, size=(WINDOW, 4))
+        x[0, 0] = _busy[1]
+        return {"x": x}
+    finally:
+        with _busy_lock:
+            _busy[0] -= 1
+
+
+@pytest.mark.parametrize("thread_safe", [False, True])
+def test_a_user_source_runs_concurrently_only_when_declared(tmp_path, thread_safe, caplog):
+    source = FunctionSource(counting_sample, thread_safe=thread_safe) if thread_safe else counting_sample
+    cache, _ = _sample_all(tmp_path, "c", source, workers=1, concurrency=16, count=150)
+    most = max(np.frombuffer(r, dtype=np.int64)[0] for r in _records(cache))
+    if thread_safe:
+        assert most > 1, "a thread-safe source gets calls in flight together"
+    else:
+        assert most == 1, "a source that did not declare itself thread-safe is never called concurrently"
+
+
+class AsyncUserSource(Source):
+    """A user source with a natively concurrent method (module level, so that it pickles)."""
+
+    async def sample_async(self, rng):
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        return {"x": rng.integers(0, 1000, size=(WINDOW, 4))}
+
+
+def test_a_user_source_with_sample_async_gets_the_same_records(tmp_path):
+    import asyncio
+
+    source = AsyncUserSource()
+    cache, _ = _sample_all(tmp_path, "c", source, workers=2, concurrency=16, count=100)
+    want = sorted(asyncio.run(source.sample_async(sample_rng(11, i, 0)))["x"].tobytes() for i in range(100))
+    assert _records(cache) == want
+
+
+# -- memory: bytes in flight -----------------------------------------------------------------------
+def first_word(data: bytes, path: str) -> np.ndarray:
+    """Decodes an object of any size into its first 8 bytes, repeated to the schema's shape."""
+    return np.full((WINDOW, 4), np.frombuffer(data[:8], dtype=np.int64)[0], dtype=np.int64)
+
+
+def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_path, http):
+    rng = np.random.default_rng(0)
+    urls = []
+    for i, size in enumerate([20_000, 60_000, 150_000, 250_000, 90_000, 35_000]):
+        data = np.int64(i).tobytes() + rng.bytes(size - 8)
+        urls.append(http.put(f"o{i}.bin", data))
+    http.latency = 0.05
+    bound = 400_000
+    source = ObjectSource(urls, decoder=first_word, retry=QUICK)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=32, count=150,
+                               max_bytes_in_flight=bound)
+    assert len(_records(cache)) == 150
+    assert http.peak_in_flight > 2, "requests were in flight together"
+    assert 0 < stats.peak_bytes_in_flight <= bound
+    assert http.peak_bytes_in_flight <= bound, f"the store saw {http.peak_bytes_in_flight} bytes in flight"
