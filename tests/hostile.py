@@ -6,10 +6,66 @@ Imports neither torch, nor TensorFlow, nor the ``tfrecord`` package.
 
 from __future__ import annotations
 
+import os
+import time
+
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ID_SCHEMA, write_shards
 from growcache import Cache
+
+
+def leftovers() -> set[str]:
+    """What a reader of this process can leave behind: its live child processes (DataLoader
+    workers) and its shared-memory slabs (``/dev/shm/growcache-<pid>-*``)."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
+            found.add(f"child process {entry}")
+    found.update(f"slab {n}" for n in os.listdir("/dev/shm") if n.startswith(f"growcache-{me}-"))
+    return found
+
+
+def left_behind(before: set[str], timeout: float = 10.0) -> set[str]:
+    """What appeared since ``before`` and is still there after ``timeout`` s (exits take a moment)."""
+    deadline = time.monotonic() + timeout
+    while (extra := leftovers() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return extra
+
+
+def check_failing_examples_leave_nothing_behind(root_factory, read_failing) -> None:
+    """Run a property test whose every example fails while ``read_failing(cache)`` reads, and
+    check that it leaves no process, slab or lease behind.
+
+    Hypothesis shrinks (a few steps over one integer) and replays the smallest example, as it
+    would on a real regression, keeping each failure's traceback meanwhile.
+    """
+    before, caches = leftovers(), []
+
+    @settings(max_examples=3, deadline=None, database=None)
+    @given(shards=st.integers(1, 4))
+    def failing(shards):
+        cache = Cache(root_factory.mktemp("c") / "cache", capacity="1GB", schema=ID_SCHEMA)
+        caches.append(cache)
+        write_shards(cache, [6] * shards)
+        read_failing(cache)
+
+    with pytest.raises(AssertionError, match="planted failure"):
+        failing()
+    assert len(caches) > 1, "hypothesis shrank: several examples failed"
+    assert not left_behind(before), "a failing example left its reader's processes or slabs behind"
+    assert [c.path for c in caches if c._manifest.live_leases()] == [], "a failing example kept its epoch's lease"
 
 
 def damage_shards(cache: Cache, data) -> set[str]:

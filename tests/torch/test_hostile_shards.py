@@ -24,33 +24,53 @@ from growcache import Cache, CorruptShardError, make_torch_loader  # noqa: E402
 from growcache.adapters.torch_loader import tfrecord_frames  # noqa: E402
 from growcache.batching import ReaderShare  # noqa: E402
 from growcache.vector_reader import VectorReader  # noqa: E402
-from hostile import damaged_cache  # noqa: E402
+from hostile import check_failing_examples_leave_nothing_behind, damaged_cache  # noqa: E402
+
+
+def _check_epoch(cache: Cache, damaged: set[str], ids: dict[str, list[int]], reader: str, workers: int, *,
+                 planted_failure: bool = False) -> None:
+    loader = make_torch_loader(cache, 4, num_workers=workers, on_corrupt="skip", reader=reader,
+                               multiprocessing_context="fork" if workers else None)
+    batches = iter(loader)
+    # A failing example must stop its workers here: hypothesis keeps each failure's traceback
+    # (and with it this frame) while it shrinks, and one run reached ~330 live workers that way.
+    try:
+        delivered = collections.Counter()
+        for batch in batches:
+            if planted_failure:
+                raise AssertionError("planted failure, with the loader's workers running")
+            for record_id, x in zip(batch["id"].tolist(), batch["x"].numpy()):
+                np.testing.assert_array_equal(x, id_sample(record_id)["x"])
+                delivered[record_id] += 1
+        if planted_failure:
+            raise AssertionError("planted failure, after the epoch (persistent workers still up)")
+        assert max(delivered.values(), default=1) == 1, "a record was delivered twice"
+        skipped = {note.path for note in loader.skipped}
+        assert skipped <= damaged, "only damaged shards are skipped"
+        for note in loader.skipped:
+            assert os.path.basename(note.path).endswith(".tfrecord") and note.reason
+        for path, shard_ids in ids.items():
+            if path not in damaged:
+                assert all(delivered[i] == 1 for i in shard_ids), f"an intact shard lost records: {path}"
+            elif path not in skipped:
+                # Damage that framing cannot see is impossible: every changed shard is found.
+                raise AssertionError(f"damaged shard {path} was read without an error")
+        assert set(delivered) <= {i for shard_ids in ids.values() for i in shard_ids}
+    finally:
+        batches.close()
+        loader.close()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), reader=st.sampled_from(["tfrecord", "growcache"]), workers=st.sampled_from([0, 2]))
 def test_a_torch_epoch_over_random_damage_skips_only_damaged_shards_and_delivers_intact_records(
         tmp_path_factory, data, reader, workers):
-    cache, damaged, ids = damaged_cache(str(tmp_path_factory.mktemp("c") / "cache"), data)
-    loader = make_torch_loader(cache, 4, num_workers=workers, on_corrupt="skip", reader=reader,
-                               multiprocessing_context="fork" if workers else None)
-    delivered = collections.Counter()
-    for batch in loader:
-        for record_id, x in zip(batch["id"].tolist(), batch["x"].numpy()):
-            np.testing.assert_array_equal(x, id_sample(record_id)["x"])
-            delivered[record_id] += 1
-    assert max(delivered.values(), default=1) == 1, "a record was delivered twice"
-    skipped = {note.path for note in loader.skipped}
-    assert skipped <= damaged, "only damaged shards are skipped"
-    for note in loader.skipped:
-        assert os.path.basename(note.path).endswith(".tfrecord") and note.reason
-    for path, shard_ids in ids.items():
-        if path not in damaged:
-            assert all(delivered[i] == 1 for i in shard_ids), f"an intact shard lost records: {path}"
-        elif path not in skipped:
-            # Damage that framing cannot see is impossible: every changed shard is found.
-            raise AssertionError(f"damaged shard {path} was read without an error")
-    assert set(delivered) <= {i for shard_ids in ids.values() for i in shard_ids}
+    _check_epoch(*damaged_cache(str(tmp_path_factory.mktemp("c") / "cache"), data), reader, workers)
+
+
+def test_a_failing_example_of_the_property_test_leaves_no_worker_behind(tmp_path_factory):
+    check_failing_examples_leave_nothing_behind(
+        tmp_path_factory, lambda cache: _check_epoch(cache, set(), {}, "growcache", 2, planted_failure=True))
 
 
 def test_the_vectorized_reader_checks_the_count_with_any_framing(tmp_path):
