@@ -66,7 +66,7 @@ from . import _proc
 from ._retry import RetryPolicy
 from .errors import CacheFormatError, CompressedFileError, CorruptShardError, GrowcacheError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker
-from .importer import CHUNK_BYTES, TFRecordFiles, _infer, copy_records, iter_frames
+from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _record_limit, copy_records, iter_frames
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -231,7 +231,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
     def _repr_extra(self) -> str:
         return f", max_shard_records={self.max_shard_records}, max_shard_bytes={self.max_shard_bytes}"
 
-    def probe(self, schema: Schema | None = None, *, records: int = 16) -> Schema:
+    def probe(self, schema: Schema | None = None, *, records: int = 16,
+              max_record_bytes: int | str | None = None) -> Schema:
         """Read the first records of the first shard, before any worker starts.
 
         A glob that matches nothing, a store that cannot be reached, files that are not
@@ -241,6 +242,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             schema: the schema the records must follow (the cache's). ``None``: infer it
                 (see :func:`~growcache.importer.infer_schema`).
             records: records to read. Default: ``16``.
+            max_record_bytes: without ``schema``, refuse longer records before reading them.
+                Default: 64 MiB.
 
         Returns:
             ``schema``, or the inferred one.
@@ -252,7 +255,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         """
         path = self.paths()[0]
         if schema is None:
-            return _infer(self, path, records)
+            return _infer(self, path, records, max_record_bytes=_record_limit(max_record_bytes))
         url = self._url(path)
         codec = ExampleCodec(schema)
         checker = RecordChecker(codec, url)
@@ -655,12 +658,9 @@ def _discard(path: str) -> None:
 
 
 def _refuse_linked_sources(cache: Cache) -> None:
-    """growcache writes and deletes in ``sources/``: never through a link to elsewhere."""
-    directory = cache._manifest.sources_dir
-    if os.path.islink(directory):
-        raise CacheFormatError(f"{directory} is a symbolic link; growcache writes and deletes files there, and a link "
-                               "could point outside the cache. Replace it with a directory (or remove it: shard "
-                               "sources then start afresh).")
+    """growcache writes and deletes in ``sources/``: never through a link to elsewhere (the
+    manifest's layout check, run here because a source's state is read and written often)."""
+    cache._manifest.check_layout()
 
 
 # fsspec info keys that name an object's version, the most precise first.
