@@ -244,19 +244,22 @@ def _count(n: float) -> str:
 
 
 class _Record:
-    """One epoch as it runs; the training loop's thread writes it without a lock (see below)."""
+    """One epoch as it runs. The loop's own thread writes the ``next()`` figures without a lock
+    (one writer); framework threads write the stage's under the meter's lock."""
 
     __slots__ = ("batches", "bytes_per_record", "cache", "ended_at", "finished", "first_at", "gathered",
                  "number", "oldest_age", "newest_age", "plan_records", "rows", "samplers", "skipped_at_start",
                  "skipped", "snapshot_records", "snapshot_shards", "stage_batches", "stage_wait", "started_at",
                  "token", "wait", "waits_measured", "new_records", "new_shards", "batch_size", "staged", "epoch",
-                 "any_finished")
+                 "any_finished", "stage_first_at", "figures")
 
     def __init__(self) -> None:
         self.batches = self.stage_batches = self.rows = 0
         self.wait = self.stage_wait = 0.0
         self.waits_measured = self.staged = self.any_finished = False
-        self.first_at: float | None = None
+        self.first_at: float | None = None  # the loop got its first batch (timed at next())
+        self.stage_first_at: float | None = None  # growcache's last stage made its first batch
+        self.figures: InputFigures | None = None  # final, once the epoch ended
         self.ended_at: float | None = None
         self.finished = False
         self.cache: CacheFigures | None = None
@@ -298,20 +301,13 @@ class InputMeter:
         self.latest: _Record | None = None
         self._done: list[InputFigures] = []
         self._previous_seqs: frozenset[int] | None = None
-        self._previous_number: int | None = None
         self._cache_sample = self._sample_cache()
-        self._pending_start: tuple[float, float] | None = None
         self._in_flight = 0
         self._busy_since = 0.0
         with _METERS_LOCK:
             _METERS[:] = [ref for ref in _METERS if ref() is not None] + [weakref.ref(self)]
 
     # -- epoch boundaries -----------------------------------------------------------------------
-    def iterator_made(self, started: float, setup_s: float = 0.0) -> None:
-        """A framework iterator was asked for at ``started`` and took ``setup_s`` seconds to
-        make; the epoch it starts later counts its wall time, first batch and wait from then."""
-        self._pending_start = (started, setup_s)
-
     def begin(self, epoch: Any, started_at: float | None = None) -> None:
         """Epoch ``epoch`` (an :class:`~growcache.epoch.Epoch`) started; ``started_at`` is when
         the loop asked for it (``iter()``), whose time counts as waiting. A joined epoch (a
@@ -320,8 +316,7 @@ class InputMeter:
         with self._lock:
             if epoch.token in self._records:
                 return
-            pending, self._pending_start = self._pending_start, None
-            stale = [token for token in self._records]
+            stale = list(self._records)
         for token in stale:
             self.end(token, False)
         record = _Record()
@@ -330,9 +325,7 @@ class InputMeter:
         record.number = epoch.number
         if started_at is not None:
             record.started_at, record.wait = started_at, now - started_at
-        elif pending is not None:
-            record.started_at, record.wait = pending
-        else:
+        else:  # a framework starts it inside the loop's first next(), which next_done times
             record.started_at = now
         record.batch_size = int(self.epochs.options.batch_size)
         try:
@@ -436,8 +429,8 @@ class InputMeter:
             if rows:
                 record.rows += rows
                 record.stage_batches += 1
-                if record.first_at is None:
-                    record.first_at = now
+                if record.stage_first_at is None:
+                    record.stage_first_at = now
 
     def end(self, token: int, finished: bool) -> None:
         """The epoch of ``token`` ended (``finished``: read to its end); log its line. Once each."""
@@ -453,8 +446,8 @@ class InputMeter:
         self._cache_sample = sample
         record.samplers = self._read_samplers()
         figures = self._figures(record)
-        group = getattr(self.epochs, "_group", None)
-        ranks = group.world_size if group is not None else 1
+        group = self.epochs.group
+        ranks = group.world_size
         log = self.log
         if self.gather is not None and finished and ranks > 1 and getattr(self.epochs.options, "even_batches", False):
             try:
@@ -462,24 +455,28 @@ class InputMeter:
             except Exception as exc:  # noqa: BLE001 - a figure never stops training
                 logger.debug("could not gather the input figures of every rank: %s", exc)
             else:
-                record.gathered = (max(w for w, _, _, _ in shared), max(t for _, t, _, _ in shared),
-                                   sum(r for _, _, r, _ in shared), sum(b for _, _, _, b in shared), len(shared))
-                figures = self._figures(record)
-                log = log and group.world_rank == 0
-        self._done.append(figures)
-        self._previous_number = record.number
+                if len(shared) > 1:  # else no process group: every rank logs its own line
+                    record.gathered = (max(w for w, _, _, _ in shared), max(t for _, t, _, _ in shared),
+                                       sum(r for _, _, r, _ in shared), sum(b for _, _, _, b in shared),
+                                       len(shared))
+                    figures = self._figures(record)
+                    log = log and group.world_rank == 0
+        with self._lock:  # stats() sees the epoch either running or done, never both or neither
+            record.figures = figures
+            self._done.append(figures)
         if log:
             logger.info("%s", figures.line())
 
     # -- figures --------------------------------------------------------------------------------
     def stats(self) -> InputStats:
         """The latest epoch's figures (live while it runs) and the cumulative ones."""
-        latest = self.latest
-        current = None
-        if latest is not None:
-            current = self._done[-1] if latest.ended_at is not None and self._done else self._figures(latest)
-        done = list(self._done)
-        if current is not None and latest.ended_at is None:
+        with self._lock:
+            latest, done = self.latest, list(self._done)
+            current = latest.figures if latest is not None else None
+        if latest is None:
+            return InputStats(None, _total(done))
+        if current is None:  # still running
+            current = self._figures(latest)
             done.append(current)
         return InputStats(current, _total(done))
 
@@ -487,6 +484,7 @@ class InputMeter:
         end = r.ended_at if r.ended_at is not None else _clock()
         wall = max(end - r.started_at, 0.0)
         staged = not r.waits_measured
+        first = r.stage_first_at if staged else r.first_at
         batches = r.stage_batches if staged else r.batches
         if r.finished and r.plan_records >= 0 and not staged:
             records = r.plan_records
@@ -504,7 +502,7 @@ class InputMeter:
         return InputFigures(
             epoch=r.number, epochs=1, finished=r.finished, batches=batches, records=records, bytes=nbytes,
             wall_s=wall, data_wait_s=wait, data_wait_bound=staged and wait is not None,
-            first_batch_s=(r.first_at - r.started_at) if r.first_at is not None else None,
+            first_batch_s=(first - r.started_at) if first is not None else None,
             snapshot_shards=r.snapshot_shards, snapshot_records=r.snapshot_records, new_shards=r.new_shards,
             new_records=r.new_records, oldest_shard_age_s=r.oldest_age, newest_shard_age_s=r.newest_age,
             skipped_shards=r.skipped if r.ended_at is not None else len(self.epochs.skipped) - r.skipped_at_start,
