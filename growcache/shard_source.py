@@ -316,8 +316,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                             return
                         if keeper.lost:
                             logger.warning("%s: the claim on %s was taken over while it was copied (this process "
-                                           "stalled for longer than %g s?); the copy is dropped", self._redact(url),
-                                           url, _proc.owner_expiry())
+                                           "stalled for longer than %g s?); the copy is dropped",
+                                           self._redact(", ".join(self.urls)), url, _proc.owner_expiry())
                             done = True  # the claim is not ours to release
                             _discard(piece.path)
                             return
