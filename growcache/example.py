@@ -62,7 +62,7 @@ _TAG_2 = tag(2, LEN)
 _KIND_FIELD = {"bytes": 1, "tensor": 1, "float_list": 2, "int64_list": 3}
 _KIND_NAME = {1: "bytes_list", 2: "float_list", 3: "int64_list"}
 _MAX_LAYOUTS = 64  # structures remembered per codec; beyond, records are parsed in full
-_STAGING_BYTES = 4 << 20  # a RecordChecker's batch of staged int64_list values
+_STAGING_BYTES = 2 << 20  # a RecordChecker's batch of staged int64_list values
 
 
 _MAX_STRUCTURE = 128  # bytes of tags and lengths around one feature, with room to spare
@@ -665,7 +665,7 @@ class RecordChecker:
         codec: the codec of the cache's schema.
         source: the file or URL the records come from, for messages.
         batch: records whose ``int64_list`` payloads are checked together, at most. Default: ``1024``
-            (fewer when their staged values would pass 4 MiB).
+            (fewer when their staged values would pass 2 MiB).
     """
 
     def __init__(self, codec: ExampleCodec, source: str, batch: int = 1024) -> None:

@@ -72,7 +72,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20
+# Memory of a copy: the chunk being framed, the next one, the frames waiting to be written
+# and the record checker's staging stay within 16 MiB (plus the records themselves).
+CHUNK_BYTES = 4 << 20  # bytes per read request
+_WRITE_BYTES = 2 << 20  # verified frames gathered per write
 INFLATE_PIECE = 1 << 20  # bytes of inflated data per inflater call
 #: Without a schema (``growcache schema``, a first probe), records longer than this are refused
 #: before they are read: no schema says how long a record may be, and memory stays bounded.
@@ -109,7 +112,7 @@ class TFRecordFiles(StoreSource):
         url: a path, glob or URL (``"gs://bucket/train-*"``), or a list of them.
         storage_options: passed to fsspec (credentials, endpoints).
         retry: retry policy of transient store errors. Default: ``RetryPolicy()``.
-        chunk_bytes: bytes per read request. Default: 8 MiB.
+        chunk_bytes: bytes per read request. Default: 4 MiB.
     """
 
     def __init__(self, url: str | Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
@@ -347,7 +350,7 @@ class _TempShard:
         self.records += 1
         self.nbytes += end - start
         self.end = offset + end - start
-        if self._pending_bytes + (self._run[2] - self._run[1]) >= CHUNK_BYTES:
+        if self._pending_bytes + (self._run[2] - self._run[1]) >= _WRITE_BYTES:
             self._close_run()
             self.flush()
 

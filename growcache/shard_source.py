@@ -201,7 +201,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             records. Default: ``None`` (no limit).
         max_shard_bytes: cut remote shards into cache shards of at most this many bytes
             (an int or ``"64MB"``); the pool's ``shard_size`` applies too. Default: ``None``.
-        chunk_bytes: bytes per read request. Default: 8 MiB.
+        chunk_bytes: bytes per read request. Default: 4 MiB.
     """
 
     def __init__(
