@@ -42,7 +42,7 @@ from ._protowire import (
     tag,
     varint,
 )
-from .errors import CorruptShardError, SchemaError
+from .errors import CorruptShardError, GrowcacheError, SchemaError
 from .schema import FeatureSpec, Schema
 from .tensor_proto import parse_tensor, tensor_header
 
@@ -122,7 +122,7 @@ class FoundFeature:
         return 0
 
 
-class AmbiguousRecordError(ValueError):
+class AmbiguousRecordError(GrowcacheError, ValueError):
     """A record that protobuf parsers may read in more than one way: a feature key given
     twice, a ``Feature`` that carries its list twice (protobuf merges the two lists, a
     scanner that takes the last one does not), a map entry with two keys or values, or a key
