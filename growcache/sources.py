@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import io
+import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import numpy as np
 
 from ._retry import RetryPolicy, describe_error
 from .errors import GrowcacheError, SchemaError, SourceError
+from .schema import Schema
 from .shard_source import ShardSource, TFRecordShardSource  # noqa: F401 - importable from here too
 from .store import Sample, Source, StoreSource
 
@@ -297,9 +299,13 @@ class NpyWindowSource(StoreSource):
             if not isinstance(fields, dict) or not {"descr", "fortran_order", "shape"} <= fields.keys():
                 raise ValueError(f"the header {text.strip()!r} lacks descr, fortran_order or shape")
             dtype = np.lib.format.descr_to_dtype(fields["descr"])
-            shape, fortran = tuple(int(d) for d in fields["shape"]), bool(fields["fortran_order"])
+            shape, fortran = fields["shape"], bool(fields["fortran_order"])
+            # int() would take '8' as (8,), 8.5 as 8 and True as 1: only a tuple of ints is a shape.
+            if not (isinstance(shape, tuple)
+                    and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                raise ValueError(f"its shape {shape!r} is not a tuple of non-negative integers")
         except (ValueError, SyntaxError, TypeError) as exc:
-            raise SourceError(f"{url} has a damaged .npy header: {exc}") from exc
+            raise SourceError(f"{url} has a damaged .npy header: {exc}. Re-save the array with numpy.save.") from exc
         if fortran and len(shape) > 1:
             raise SourceError(
                 f"{url} is Fortran-ordered, so a window of rows is not one byte range. "
@@ -309,6 +315,18 @@ class NpyWindowSource(StoreSource):
             raise SourceError(f"{url} holds Python objects (dtype {dtype}); windows need a numeric dtype.")
         if not shape:
             raise SourceError(f"{url} holds a 0-d array; windows need at least one axis of rows.")
+        # Python ints: numpy's int64 product wraps around silently on a damaged or hostile shape.
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        if hstart + hlen + max(shape[0], 1) * row_bytes >= 2**63:
+            raise SourceError(
+                f"{url} has a .npy header whose shape {shape} of {dtype} describes more bytes than any file can "
+                "hold (2**63): the header is damaged. Re-save the array with numpy.save.")
+        try:  # the cache's schema decides which dtypes a window may have (void, structured, str: none)
+            Schema({"window": (dtype, ())})
+        except SchemaError as exc:
+            raise SourceError(
+                f"{url} holds dtype {dtype}, which a cache cannot store ({exc}). Re-save the array with a numeric "
+                "dtype, for example numpy.save(path, array.view(numpy.uint8)) for raw bytes.") from None
         header = NpyHeader(dtype, tuple(shape), hstart + hlen)
         if header.rows < self.window:
             raise SourceError(
