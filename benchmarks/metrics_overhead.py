@@ -5,7 +5,7 @@ in one of three ways, each timed here over ``--batches`` batches against the sam
 without it, on a real :class:`~growcache.epoch.Epochs` over a small cache:
 
 * ``timed``: the torch loader's ``yield from meter.timed(batches, epoch)`` against a plain
-  ``yield from batches`` (one generator level and two clock reads more);
+  ``yield from batches`` (one generator level, two clock reads and the batch's row count more);
 * ``next_done``: the eager TensorFlow iterator's clock read and ``meter.next_done`` per ``next()``;
 * ``stage``: ``stage_enter``/``stage_exit`` around each batch growcache's last TensorFlow stage
   makes (a lock, two clock reads).
@@ -65,7 +65,7 @@ def measure(batches: int = 200_000, repeats: int = 7) -> dict[str, float]:
                 writer.write({"x": np.full(4, i, np.float32)})
         epochs = Epochs(cache, EpochOptions(4))
         meter = InputMeter(epochs, log=False)
-        items = [{"x": None}] * batches
+        items = [{"x": np.zeros((4, 4), np.float32)}] * batches
         added: dict[str, list[float]] = {"timed": [], "next_done": [], "stage": []}
         for _ in range(repeats):
             epoch = epochs.start()

@@ -94,7 +94,9 @@ class InputFigures:
         epochs: epochs counted (``1`` for an epoch's figures).
         finished: the epoch was read to its end (cumulative: every epoch was).
         batches: batches the training loop received.
-        records: records in them (exact once the epoch is read to its end; before, whole batches).
+        records: records in them: counted per batch at ``next()`` (PyTorch); as growcache's
+            reader made them (TensorFlow: exact once the epoch is read to its end); else whole
+            batches of the plan.
         bytes: shard bytes behind those records (the epoch's average bytes per record, framing
             included).
         wall_s: seconds from ``iter()`` to the end of the epoch (or to now, while it runs).
@@ -251,10 +253,10 @@ class _Record:
                  "number", "oldest_age", "newest_age", "plan_records", "rows", "samplers", "skipped_at_start",
                  "skipped", "snapshot_records", "snapshot_shards", "stage_batches", "stage_wait", "started_at",
                  "token", "wait", "waits_measured", "new_records", "new_shards", "batch_size", "staged", "epoch",
-                 "any_finished", "stage_first_at", "figures")
+                 "any_finished", "stage_first_at", "figures", "loop_rows")
 
     def __init__(self) -> None:
-        self.batches = self.stage_batches = self.rows = 0
+        self.batches = self.stage_batches = self.rows = self.loop_rows = 0
         self.wait = self.stage_wait = 0.0
         self.waits_measured = self.staged = self.any_finished = False
         self.first_at: float | None = None  # the loop got its first batch (timed at next())
@@ -351,8 +353,9 @@ class InputMeter:
             self._records[epoch.token] = record
             self.latest = record
 
-    def timed(self, batches: Iterable[Any], epoch: Any) -> Iterator[Any]:
-        """``batches`` of ``epoch`` (begun), each ``next()`` timed; the epoch ends with them."""
+    def timed(self, batches: Iterable[Mapping[str, Any]], epoch: Any) -> Iterator[Mapping[str, Any]]:
+        """``batches`` of ``epoch`` (begun), each ``next()`` timed and its rows counted (the
+        length of its first array: each batch is a dict of arrays); the epoch ends with them."""
         record = self._records.get(epoch.token)
         if record is None:  # not begun: nothing to time
             yield from batches
@@ -366,6 +369,7 @@ class InputMeter:
                 now = clock()
                 record.wait += now - t
                 record.batches += 1
+                record.loop_rows += len(next(iter(batch.values())))  # a dict of arrays: its first one's rows
                 if record.first_at is None:
                     record.first_at = now
                 yield batch
@@ -486,10 +490,12 @@ class InputMeter:
         staged = not r.waits_measured
         first = r.stage_first_at if staged else r.first_at
         batches = r.stage_batches if staged else r.batches
-        if r.finished and r.plan_records >= 0 and not staged:
-            records = r.plan_records
-        elif staged and r.rows:
+        if r.loop_rows:  # counted at next()
+            records = r.loop_rows
+        elif r.rows and (staged or r.finished):  # made by the stage; once finished, every one was taken
             records = r.rows
+        elif r.finished and r.plan_records >= 0 and r.skipped == 0:
+            records = r.plan_records
         else:
             records = batches * r.batch_size
             if r.plan_records >= 0:

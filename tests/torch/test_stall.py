@@ -4,6 +4,7 @@ a slow producer, freshness counted exactly on a cache that grows and evicts betw
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -171,3 +172,21 @@ def test_under_ddp_rank_0_logs_the_most_any_rank_waited(id_cache, tmp_path):
     assert len(ranks[0]["lines"]) == 1 and "most of 2 ranks" in ranks[0]["lines"][0], ranks[0]["lines"]
     assert ranks[0]["lines"][0].startswith("epoch 0: 80 records,")
     assert ranks[1]["lines"] == []  # rank 0 logs for the group
+
+
+def test_corrupt_shards_skipped_are_counted_per_epoch(id_cache, caplog):
+    write_shards(id_cache, [8, 8, 8])
+    bad = id_cache.list_shards()[1].path
+    with open(bad, "r+b") as f:  # a payload byte of the first record: the whole shard is skipped
+        f.seek(os.path.getsize(bad) // 12)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    caplog.set_level(logging.INFO, logger="growcache.metrics")
+    with make_torch_loader(id_cache, 3, num_workers=1, on_corrupt="skip") as loader:
+        first = [sum(1 for _ in loader), loader.stats().epoch]
+        second = [sum(1 for _ in loader), loader.stats()]
+    assert first[1].skipped_shards == 1 and first[1].records == 16, first
+    assert second[1].epoch.skipped_shards == 1 and second[1].total.skipped_shards == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "growcache.metrics"]
+    assert all("1 corrupt shards skipped" in line for line in lines) and len(lines) == 2, lines
