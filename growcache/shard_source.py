@@ -34,7 +34,8 @@ The bucket is live, and the state file is untrusted:
   rewritten between passes is fetched whole again.
 * A shard deleted or rewritten during a pass, or a corrupt one, is passed over with one
   warning and counted in the pass progress (``vanished``, ``changed``, ``corrupt``); a
-  corrupt one is not fetched again until it changes. The source never stops for one file.
+  corrupt one is not fetched again until it changes (or an hour has passed: a planted
+  entry pins nothing for good). The source never stops for one file.
   Its version is read again after each piece is copied (one metadata request), so no
   piece publishes bytes of two versions of a shard rewritten while it was read.
 * A claim carries a heartbeat: while its copy runs (or waits for room to publish), a thread
@@ -81,6 +82,7 @@ logger = logging.getLogger(__name__)
 _HISTORY = 16  # passes whose fetches the state file keeps
 _RELIST_S = 10.0  # between passes, seconds between listings of the store
 _RELIST = object()
+_BAD_RETRY_S = 3600.0  # a corrupt remote shard that does not change is tried again this often
 
 
 @dataclass(frozen=True)
@@ -525,8 +527,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 del state["held"][path]
                 rewritten += 1
             bad = state["bad"].get(path)
-            if bad is not None and bad["version"] != version:
-                del state["bad"][path]
+            if bad is not None and (bad["version"] != version or time.time() - bad.get("time", 0) > _BAD_RETRY_S):
+                del state["bad"][path]  # changed, or tried again now and then: a planted entry pins nothing
         return rewritten
 
     def _pass_over(self, cache: Cache, claim: _Claim, why: str, detail: str = "") -> bool:
@@ -547,7 +549,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             if _owns(state, claim):
                 del state["claims"][claim.path]
             if why == "corrupt":
-                state["bad"][claim.path] = {"version": claim.version, "why": detail[:500]}
+                state["bad"][claim.path] = {"version": claim.version, "why": detail[:500], "time": time.time()}
             _mark_passed_over(state, claim.path, why)
             self._write(cache, state)
         return True
@@ -780,7 +782,7 @@ def _damage(state: dict[str, Any]) -> str | None:
         (mapping("held", _held_entry_ok), "held"),
         (mapping("skipped", lambda why: why in ("vanished", "changed", "corrupt")), "skipped"),
         (mapping("bad", lambda b: isinstance(b, dict) and isinstance(b.get("version"), str)
-                 and isinstance(b.get("why", ""), str)), "bad"),
+                 and isinstance(b.get("why", ""), str) and _is_number(b.get("time", 0))), "bad"),
         (isinstance(state.get("history", []), list) and all(
             isinstance(h, dict) and _strings(h.get("fetched", [])) and _is_int(h.get("total", 0))
             and _is_int(h.get("pass", 0)) and _is_number(h.get("started", 0)) for h in state.get("history", [])),

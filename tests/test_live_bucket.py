@@ -87,6 +87,19 @@ def test_a_damaged_claim_counts_as_expired_with_a_warning(tmp_path, caplog, clai
     assert sorted(_records(cache)) == sorted(r for records in remote.values() for r in records)
 
 
+def test_a_planted_corrupt_mark_pins_a_good_shard_for_an_hour_at_most(tmp_path, monkeypatch):
+    remote = make_remote(tmp_path / "remote", 1)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    cache.evict(to=0)
+    ((path, held),) = state_of(cache, source)["held"].items()
+    _plant(cache, source, bad={path: {"version": held["version"], "why": "planted", "time": time.time() - 7200}})
+    monkeypatch.setattr(shard_source, "_RELIST_S", 0.0)
+    assert len(fetch_once(source, cache)) == 1
+    assert _records(cache) == remote["train-00000-of-00001"]
+
+
 def test_a_linked_sources_directory_is_refused(tmp_path):
     make_remote(tmp_path / "remote", 1)
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
