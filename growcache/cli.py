@@ -625,7 +625,8 @@ def _schema_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from .importer import infer_schema
+    from .errors import CorruptShardError
+    from .importer import damaged_file, infer_schema
 
     try:
         options = parse_storage_options(args.storage_option)
@@ -633,8 +634,13 @@ def _cmd_schema(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from exc
     if args.records < 1:
         raise _UsageError(f"--records must be at least 1, got {args.records}")
-    print(repr(infer_schema(args.file, records=args.records, storage_options=options,
-                            max_record_bytes=args.max_record)))
+    try:
+        schema = infer_schema(args.file, records=args.records, storage_options=options,
+                              max_record_bytes=args.max_record)
+    except CorruptShardError as exc:  # a user's file, not a cache shard: no verify advice
+        print(f"growcache schema: {exc.path}: {damaged_file(exc)}", file=sys.stderr)
+        return 1
+    print(repr(schema))
     return 0
 
 
