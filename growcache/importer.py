@@ -738,11 +738,17 @@ def _skip_file(report: ImportReport, url: str, exc: BaseException) -> None:
     logger.warning("skipped %s: %s", url, reason)
 
 
+def damaged_file(exc: CorruptShardError) -> str:
+    """What is wrong with a file given to ``import`` or ``schema``: ``CorruptShardError``'s own
+    message advises on a cache's shards (``verify --remove-corrupt``), not on a user's file."""
+    return f"not a TFRecord file, or damaged: {exc.reason} at byte offset {exc.offset}"
+
+
 def _file_problem(exc: BaseException) -> str:
     """Why a file given to import was refused, with advice for a file (not for a cache shard)."""
     if isinstance(exc, CorruptShardError):
-        return (f"not a TFRecord file, or damaged: {exc.reason} at byte offset {exc.offset}. Nothing of it was "
-                "imported; check the file (or how it was copied), then import it again")
+        return (f"{damaged_file(exc)}. Nothing of it was imported; check the file (or how it was copied), then import "
+                "it again")
     return f"{exc} Nothing of it was imported."
 
 

@@ -149,6 +149,7 @@ def test_without_a_schema_records_over_max_record_are_refused_with_a_clear_messa
     assert main(["schema", str(tmp_path / "a.tfrecord"), "--max-record", "64"]) == 1
     err = capsys.readouterr().err
     assert "longer than the 64 bytes" in err and "at byte offset 0" in err, err
+    assert "verify" not in err  # advice for a cache's shards, not for a file
     assert main(["schema", str(tmp_path / "a.tfrecord")]) == 0  # the default (64 MiB) takes them
     assert "'label'" in capsys.readouterr().out
     with pytest.raises(CorruptShardError, match="longer than the 64 bytes"):
