@@ -129,11 +129,16 @@ class Cache:
         mode: permission bits of directories it creates; files get the same bits without
             execute. Default: ``0o700`` (owner only).
 
+    A cache whose lock cannot be created (a read-only filesystem, or a user without write
+    permission) opens read-only: listing, :meth:`stats` and :meth:`verify` work, and anything
+    that would change it raises an ``OSError`` that says why.
+
     Raises:
         SchemaMismatchError: ``schema`` differs from the stored one.
         CacheFormatError: the directory holds metadata of a newer format, or a damaged value
-            (naming the file, the field and the fix), or its ``shards/`` or ``leases/`` is a
-            symbolic link or not a directory.
+            (naming the file, the field and the fix); it holds shards but no metadata; its
+            ``shards/``, ``leases/``, ``epochs/`` or ``sources/`` is a symbolic link or not a
+            directory, or its ``.lock`` is not a regular file.
         NotADirectoryError: ``path`` is a file.
     """
 
