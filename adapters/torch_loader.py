@@ -124,6 +124,19 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
         if delivery is not None:
             delivery.bind(self)
+        # What users and trainers read is what the loader does (DataLoader itself forms no batches, and
+        # pins none: the delivery does). DataLoader refuses these two sets after __init__, as usual.
+        object.__setattr__(self, "batch_size", epochs.options.batch_size)
+        object.__setattr__(self, "drop_last", epochs.options.drop_last)
+        self.pin_memory = delivery is not None and delivery.pin
+
+    def _get_iterator(self) -> Any:
+        # DataLoader would pin every batch once more in a thread of its own: the delivery pinned its slab.
+        self.__dict__["pin_memory"] = False
+        try:
+            return super()._get_iterator()
+        finally:
+            self.__dict__["pin_memory"] = self._delivery is not None and self._delivery.pin
 
     @property
     def registered_bytes(self) -> int:
