@@ -224,9 +224,12 @@ print("END", flush=True)
 """
 
 
+EXPIRY = 2.0  # seconds; heartbeats every third of a second
+
+
 def _machine(name: str, cache: Cache, url: str, *, delay: float, seconds: float) -> subprocess.Popen:
     code = _MACHINE.format(delay=delay, cache=cache.path, url=url, seconds=seconds)
-    env = dict(os.environ, GROWCACHE_NODE=name, GROWCACHE_OWNER_EXPIRY="1.2")
+    env = dict(os.environ, GROWCACHE_NODE=name, GROWCACHE_OWNER_EXPIRY=str(EXPIRY))
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -239,9 +242,9 @@ def _remote_for_claims(tmp_path) -> tuple[Cache, str, list[bytes]]:
 
 def test_a_copy_that_outlasts_the_claim_expiry_keeps_its_claim_by_heartbeat(tmp_path):
     cache, url, records = _remote_for_claims(tmp_path)
-    a = _machine("machine-a", cache, url, delay=0.5, seconds=0.1)  # ~4 s of copying: 3 expiries
+    a = _machine("machine-a", cache, url, delay=0.7, seconds=0.1)  # ~6 s of copying: 3 expiries
     assert a.stdout.readline().strip() == "READING"
-    b = _machine("machine-b", cache, url, delay=0.0, seconds=4.0)
+    b = _machine("machine-b", cache, url, delay=0.0, seconds=5.0)
     out_b, err_b = b.communicate(timeout=60)
     out_a, err_a = a.communicate(timeout=60)
     assert "PUBLISHED 40" in out_a, err_a
@@ -255,7 +258,7 @@ def test_a_copy_whose_claim_was_taken_over_publishes_nothing(tmp_path):
     assert a.stdout.readline().strip() == "READING"
     os.kill(a.pid, signal.SIGSTOP)  # frozen past the expiry: its heartbeat stops
     try:
-        time.sleep(2.5)
+        time.sleep(EXPIRY + 1.0)
         b = _machine("machine-b", cache, url, delay=0.0, seconds=2.0)
         out_b, err_b = b.communicate(timeout=60)
         assert "PUBLISHED 40" in out_b, err_b
