@@ -84,7 +84,7 @@ from .manifest import _unlink_quiet
 from .records import FOOTER_BYTES, HEADER_BYTES
 from .shard_source import FetchJob, ShardSource
 from .sources import Source, as_source
-from .shard import scan_shards
+from .shard import SHARD_SUFFIX, scan_shards
 from .writer import remove_abandoned_temporaries, temp_owner
 
 read_sampler_stats = _sampler_stats.read_sampler_stats
@@ -101,9 +101,13 @@ _NSLOTS = 16
 # it); the next global sample index, the end of the indices (stop_after, or -1) and how many
 # indices wait in the returned pool (these three change only under the index lock).
 _STOP, _NEXT, _END, _NRETURNED = range(4)
-# Per-worker header of the open-index array: records of the shard in progress, and a flag
-# raised while that shard is being published.
-_OPEN_COUNT, _OPEN_PUBLISHING, _OPEN_HEAD = 0, 1, 2
+# A worker writes one shard while it publishes the one before (fsync and rename take long next
+# to a far store's round trip), so its row of the open-index array has two shard areas. Each
+# area's header: its records, a flag raised while it is being published, and the token of its
+# temporary file's name (which tells, after a death, whether the rename happened).
+_AREA_COUNT, _AREA_PUBLISHING, _AREA_TOKEN = 0, 1, 2
+_AREA_HEAD = 3
+_OPEN_HEAD = 0
 # A shard in progress holds at most this many records, so that its indices fit a fixed array.
 _MAX_SHARD_RECORDS = 65536
 DEFAULT_CONCURRENCY = 32
@@ -111,7 +115,8 @@ _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
-_STATS_FILE_S = 1.0  # the stats file is rewritten this often
+_STATS_FILE_S = 1.0
+_FIRST_SHARD_AGE_S = 1.0  # a worker's first shard is published after at most this long  # the stats file is rewritten this often
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 # After stop(), a worker still inside one sample call this long is interrupted (a silent store).
 _INTERRUPT_AFTER_S = 0.5
@@ -144,25 +149,35 @@ class _Indices:
 
     An index is claimed from the returned pool first, else from the counter (up to
     ``stop_after``), under one process lock. Each worker records in its own row of a shared
-    array the indices it holds: one slot per sample in flight, then the indices of its shard
-    in progress. When a worker dies, the pool moves every index it held and did not publish
-    back to the returned pool, so a restart neither replays nor skips one.
+    array the indices it holds: one slot per sample in flight, then two shard areas (the
+    shard in progress, and the one being published). When a worker dies, the pool moves every
+    index it held and did not publish back to the returned pool, so a restart neither replays
+    nor skips one.
 
     The stores are ordered so that a worker killed between any two of them leaves an index
     either held twice (which :meth:`refund` removes) or still unclaimed, never lost. A shard
-    being published is flagged first: if the worker dies then, its temporary file tells
-    whether the rename happened.
+    being published is flagged first: if the worker dies then, whether its temporary file is
+    still there tells whether the rename happened.
     """
 
     def __init__(self, control: Any, returned: Any, held: Any, lock: _ProcessLock, slots: int, shard_cap: int,
                  worker: int = -1) -> None:
         self.control, self.returned, self.held, self.lock = control, returned, held, lock
         self.slots, self.shard_cap = slots, shard_cap
-        self.row = _OPEN_HEAD + slots + shard_cap
+        self.area_size = _AREA_HEAD + shard_cap
+        self.row = _OPEN_HEAD + slots + 2 * self.area_size
+        self.worker = worker
         self.base = worker * self.row
+
+    @staticmethod
+    def row_size(slots: int, shard_cap: int) -> int:
+        return _OPEN_HEAD + slots + 2 * (_AREA_HEAD + shard_cap)
 
     def for_worker(self, worker: int) -> _Indices:
         return _Indices(self.control, self.returned, self.held, self.lock, self.slots, self.shard_cap, worker)
+
+    def _area(self, area: int, base: int | None = None) -> int:
+        return (self.base if base is None else base) + _OPEN_HEAD + self.slots + area * self.area_size
 
     # -- a worker's side -------------------------------------------------------------------------
     def claim(self, slot: int) -> int | None:
@@ -182,41 +197,56 @@ class _Indices:
             control[_NEXT] = index + 1
             return index
 
-    def written(self, slot: int, index: int) -> None:
-        """Index ``index`` of in-flight ``slot`` is now a record of the shard in progress."""
-        held, count = self.held, self.held[self.base + _OPEN_COUNT]
-        held[self.base + _OPEN_HEAD + self.slots + count] = index
-        held[self.base + _OPEN_COUNT] = count + 1
+    def opened(self, area: int, token: int) -> None:
+        """A new shard in progress, whose temporary's name ends in ``token``, fills ``area``."""
+        at = self._area(area)
+        self.held[at + _AREA_COUNT] = 0
+        self.held[at + _AREA_PUBLISHING] = 0
+        self.held[at + _AREA_TOKEN] = token
+
+    def written(self, area: int, slot: int, index: int) -> None:
+        """Index ``index`` of in-flight ``slot`` is now a record of the shard in ``area``."""
+        held, at = self.held, self._area(area)
+        count = held[at + _AREA_COUNT]
+        held[at + _AREA_HEAD + count] = index
+        held[at + _AREA_COUNT] = count + 1
         held[self.base + _OPEN_HEAD + slot] = -1
 
-    def dropped(self, slot: int) -> None:
-        self.held[self.base + _OPEN_HEAD + slot] = -1
+    def publishing(self, area: int, flag: bool) -> None:
+        self.held[self._area(area) + _AREA_PUBLISHING] = int(flag)
 
-    def publishing(self, flag: bool) -> None:
-        self.held[self.base + _OPEN_PUBLISHING] = int(flag)
+    def published(self, area: int) -> None:
+        """The shard of ``area`` was published: its indices are done."""
+        at = self._area(area)
+        self.held[at + _AREA_COUNT] = 0
+        self.held[at + _AREA_PUBLISHING] = 0
 
-    def published(self) -> None:
-        """The shard in progress was published: its indices are done."""
-        self.held[self.base + _OPEN_COUNT] = 0
-        self.held[self.base + _OPEN_PUBLISHING] = 0
-
-    def give_back_shard(self) -> None:
-        """The shard in progress was discarded: its indices go back to the pool."""
-        self.refund(self.base // self.row, published=False, in_flight=False)
+    def give_back(self, area: int) -> None:
+        """The shard of ``area`` was discarded: its indices go back to the pool."""
+        self.refund(self.worker, lambda token: False, areas=(area,), in_flight=False)
 
     # -- the pool's side -------------------------------------------------------------------------
-    def refund(self, worker: int, *, published: bool, in_flight: bool = True) -> int:
+    def refund(self, worker: int, renamed: Callable[[int], bool], *, areas: tuple[int, ...] = (0, 1),
+               in_flight: bool = True) -> int:
         """Move the indices ``worker`` held and did not publish back to the pool; return how many.
 
-        ``published`` tells whether a shard it was publishing when it died got its name.
+        ``renamed(token)`` tells whether the shard whose temporary's name ends in ``token``
+        was published (its temporary is gone) when a shard was being published at the death.
         """
         base, held, control = worker * self.row, self.held, self.control
         with self.lock:
-            count = min(max(held[base + _OPEN_COUNT], 0), self.shard_cap)
-            shard_at = base + _OPEN_HEAD + self.slots
-            lost = [] if held[base + _OPEN_PUBLISHING] and published else list(held[shard_at:shard_at + count])
+            lost = []
+            for area in areas:
+                at = self._area(area, base)
+                count = min(max(held[at + _AREA_COUNT], 0), self.shard_cap)
+                if not (held[at + _AREA_PUBLISHING] and renamed(held[at + _AREA_TOKEN])):
+                    lost += list(held[at + _AREA_HEAD:at + _AREA_HEAD + count])
+                held[at + _AREA_COUNT] = 0
+                held[at + _AREA_PUBLISHING] = 0
             if in_flight:
-                lost += [i for i in held[base + _OPEN_HEAD:shard_at] if i >= 0]
+                slots = base + _OPEN_HEAD
+                lost += [i for i in held[slots:slots + self.slots] if i >= 0]
+                held[slots:slots + self.slots] = [-1] * self.slots
             waiting = control[_NRETURNED]
             # A worker killed between two stores holds an index it never took, or one twice.
             already = set(self.returned[:waiting])
@@ -224,11 +254,6 @@ class _Indices:
             for n, index in enumerate(fresh):
                 self.returned[waiting + n] = index
             control[_NRETURNED] = waiting + len(fresh)
-            held[base + _OPEN_COUNT] = 0
-            held[base + _OPEN_PUBLISHING] = 0
-            if in_flight:
-                for at in range(base + _OPEN_HEAD, shard_at):
-                    held[at] = -1
             return len(fresh)
 
 
@@ -343,8 +368,8 @@ class SamplerPool:
             ``"256MB"``). Default: ``"256MB"``, or a quarter of the cache's capacity if
             that is smaller.
         max_shard_age: seconds after its first record a shard is published even if
-            small, so the first epoch has shards soon; ``None`` for size only.
-            Default: ``10.0``.
+            small, so the first epoch has shards soon (a worker's first shard: after at most
+            1 s); ``None`` for size only. Default: ``10.0``.
         seed: seed of every worker's RNG stream (see :func:`worker_rng`). The cache counts
             the pools started on it, and the count is part of every stream's seed: a pool
             resumed on a cache that already holds samples draws new ones instead of replaying
@@ -511,7 +536,7 @@ class SamplerPool:
         self._index_lock = _ProcessLock()
         if not isinstance(self.source, ShardSource):
             slots, cap = self.concurrency, self._config.shard_records
-            row = _OPEN_HEAD + slots + cap
+            row = _Indices.row_size(slots, cap)
             held = self._ctx.Array("q", self.workers * row, lock=False)
             for worker in range(self.workers):
                 held[worker * row + _OPEN_HEAD:worker * row + _OPEN_HEAD + slots] = [-1] * slots
@@ -701,9 +726,13 @@ class SamplerPool:
         """Return the sample indices a dead worker held and did not publish to the pool."""
         if self._indices is None:
             return
-        unpublished = any(temp_owner(name) is not None and temp_owner(name)[0] == pid
-                          for name in scan_shards(self.cache.shards_dir).temporaries)
-        returned = self._indices.refund(index, published=not unpublished)
+        left = {name for name in scan_shards(self.cache.shards_dir).temporaries
+                if (temp_owner(name) or (None,))[0] == pid}
+
+        def renamed(token: int) -> bool:
+            return not any(name.endswith(f"-{token:012x}{SHARD_SUFFIX}") for name in left)
+
+        returned = self._indices.refund(index, renamed)
         if returned:
             logger.debug("sampler %d died holding %d unpublished samples; they go back to the pool", index, returned)
 
@@ -1115,6 +1144,15 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
         reports_to.close()
 
 
+def _temp_token(path: str) -> int:
+    """The random token that ends a temporary shard's name (see :func:`~growcache.writer.temp_shard_name`)."""
+    stem = os.path.basename(path)[:-len(SHARD_SUFFIX)]
+    try:
+        return int(stem.rsplit("-", 1)[1], 16)
+    except (IndexError, ValueError):
+        return 0
+
+
 class _SampleLoop:
     """A worker's loop over samples: claim indices, draw them (up to ``concurrency`` in flight),
     write them into the shard in progress as they finish, publish by size and age."""
@@ -1130,6 +1168,9 @@ class _SampleLoop:
         self.first = True
         self.flow = Flow(cfg.concurrency, cfg.max_bytes_in_flight)
         self.engine: Any = None
+        self.area = 0  # the ledger's shard area of the shard in progress
+        self._publisher: threading.Thread | None = None
+        self._publish_error: BaseException | None = None
         self._figures_at = 0.0
         self._throttles_before = counters[self.base + _THROTTLES]
         if hasattr(self.source, "store_answered") and any(
@@ -1140,23 +1181,53 @@ class _SampleLoop:
             self.source.set_concurrency(cfg.concurrency)
 
     # -- shards ------------------------------------------------------------------------------------
-    def publish(self) -> None:
-        current, self.writer = self.writer, None
-        counters, base = self.counters, self.base
-        self.indices.publishing(True)
+    def publish(self, background: bool = False) -> None:
+        """Publish the shard in progress; the next one fills the other shard area of the ledger.
+
+        In the background (a thread), sampling goes on while the shard is fsynced and renamed:
+        at most one publish is in flight, and its error is raised here at the next call.
+        """
+        writer, area = self.writer, self.area
+        self.writer = None
+        self.join_publisher()
+        self.area = 1 - area
+        if background:
+            self._publisher = threading.Thread(target=self._publish_in_thread, args=(writer, area),
+                                               name="growcache-publish", daemon=True)
+            self._publisher.start()
+        else:
+            self._publish(writer, area)
+
+    def join_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.join()
+            self._publisher = None
+        if self._publish_error is not None:
+            error, self._publish_error = self._publish_error, None
+            raise error
+
+    def _publish_in_thread(self, writer: Any, area: int) -> None:
         try:
-            info = current.close()
+            self._publish(writer, area)
+        except BaseException as exc:  # noqa: BLE001 - raised in the sampling thread by join_publisher
+            self._publish_error = exc
+
+    def _publish(self, writer: Any, area: int) -> None:
+        counters, base = self.counters, self.base
+        self.indices.publishing(area, True)
+        try:
+            info = writer.close()
         except CacheFullError:
-            self.indices.publishing(False)
+            self.indices.publishing(area, False)
             if not self.stopping():
                 raise
             counters[base + _DISCARDED] += 1  # stopping while leases fill the budget
-            self.indices.give_back_shard()
+            self.indices.give_back(area)
             return
         except BaseException:
-            self.indices.publishing(False)  # not renamed: the pool returns its indices
+            self.indices.publishing(area, False)  # not renamed: the pool returns its indices
             raise
-        self.indices.published()
+        self.indices.published(area)
         if info is not None:
             counters[base + _PUB_RECORDS] += info.records
             counters[base + _PUB_BYTES] += info.nbytes
@@ -1171,18 +1242,23 @@ class _SampleLoop:
             counters[base + _ANSWERED] = 1
         if self.writer is None:
             self.writer = self.cache.writer(should_stop=self.stopping)
+            self.indices.opened(self.area, _temp_token(self.writer.path))
             self.opened = time.monotonic()
         self.writer.write(sample)  # validates against the schema
-        self.indices.written(slot, index)
+        self.indices.written(self.area, slot, index)
         counters[base + _RECORDS] += 1
         counters[base + _BYTES] += cfg.record_frame
         if (self.writer.nbytes + cfg.record_frame > cfg.shard_size
                 or self.writer.records >= cfg.shard_records):
-            self.publish()
+            self.publish(background=self.engine is not None)
 
     def old_enough(self, expected_s: float) -> bool:
-        return (self.writer is not None and self.cfg.max_shard_age is not None
-                and time.monotonic() - self.opened + expected_s >= self.cfg.max_shard_age)
+        age = self.cfg.max_shard_age
+        if age is None or self.writer is None:
+            return False
+        if not self.counters[self.base + _SHARDS]:
+            age = min(age, _FIRST_SHARD_AGE_S)  # epoch 1 waits for the first shard: publish it soon
+        return time.monotonic() - self.opened + expected_s >= age
 
     def figures(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -1212,6 +1288,7 @@ class _SampleLoop:
             self._run_concurrent()
         if self.writer is not None:
             self.publish()  # the shard in progress is finished: published if it fits without waiting
+        self.join_publisher()
         self.figures(force=True)
         self.counters[self.base + _PEAK_RSS_KB] = _peak_rss_kb()
         if cfg.stop_after is not None and not self.stopping():
@@ -1255,7 +1332,9 @@ class _SampleLoop:
         last = time.monotonic()
         while not self.stopping():
             if self.old_enough(min(sample_s, 1.0)):
-                self.publish()
+                self.publish(background=True)
+            if self._publish_error is not None:
+                self.join_publisher()
             while not exhausted and outstanding < flow.allowed() and free:
                 slot = free.pop()
                 index = indices.claim(slot)
@@ -1288,6 +1367,8 @@ class _SampleLoop:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()  # cancels the requests in flight; never waits for them
+        if self._publisher is not None:
+            self._publisher.join()  # a shard being renamed into place: never left half-way
         if self.writer is not None:
             self.writer.abort()
 

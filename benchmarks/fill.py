@@ -1,0 +1,344 @@
+"""How fast samplers fill a cache from a far store: published samples in MB/s and samples/s.
+
+The store is a real HTTP range server (aiohttp's ``web.FileResponse``: Range, sendfile) in a
+process of its own, behind a latency relay in another process: a TCP relay that holds each
+request for ``--latency-ms`` (plus up to ``--jitter-ms``) before passing it on, as an object
+store takes about 50 ms to answer a range GET. The data are random windows of ``.npy``
+arrays read with ``NpyWindowSource``.
+
+Contenders, each on the same store and windows:
+
+* ``SamplerPool`` with each ``--workers`` count at each ``--concurrency``, into a fresh cache
+  (its figures come from the pool's own counters and the workers' ``/proc`` CPU times);
+* ``plain_32_threads``: one process, 32 threads each calling ``fs.cat_file`` on random windows:
+  the reference client the issue's targets compare against;
+* ``ideal``: in-flight x window size / latency, for 32 in flight.
+
+Reported per contender: MB/s and samples/s over a measured window after the first sample,
+sampler CPU seconds per GB, peak RSS of the sampler processes, and the time from ``start()``
+to the first published shard.
+
+Run::
+
+    .venv/bin/python benchmarks/fill.py --latency-ms 50,100 --window-kib 1024,16 --json fill.json
+
+``--quick`` runs a tiny configuration in seconds (it checks the benchmark works; its figures
+mean nothing). ``--markdown`` prints the table for ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+ROW_BYTES = 16 << 10  # one row of each array; a window is a whole number of rows
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- the store: an HTTP range server and a latency relay, each a process ----------------------------
+def serve_files(root: str, port: int) -> None:
+    from aiohttp import web
+
+    async def handle(request: Any) -> Any:
+        return web.FileResponse(os.path.join(root, os.path.basename(request.match_info["name"])))
+
+    app = web.Application()
+    app.router.add_get("/{name}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def relay(listen: int, upstream: int, latency_s: float, jitter_s: float) -> None:
+    """Each chunk from a client (a request: no pipelining on HTTP/1.1) waits ``latency_s`` before
+    it goes on; answers pass straight back."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: bool) -> None:
+        try:
+            while True:
+                data = await reader.read(1 << 20)
+                if not data:
+                    break
+                if delay:
+                    await asyncio.sleep(latency_s + random.uniform(0, jitter_s))
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream)
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    async def main() -> None:
+        server = await asyncio.start_server(client, "127.0.0.1", listen, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+class Store:
+    """The server and relay processes; ``url`` reaches the files through the relay."""
+
+    def __init__(self, root: str, latency_ms: float, jitter_ms: float) -> None:
+        self.server_port, self.port = _free_port(), _free_port()
+        me = os.path.abspath(__file__)
+        self.procs = [
+            subprocess.Popen([sys.executable, me, "--serve", root, str(self.server_port)]),
+            subprocess.Popen([sys.executable, me, "--relay", str(self.port), str(self.server_port),
+                              str(latency_ms / 1e3), str(jitter_ms / 1e3)]),
+        ]
+        self.url = f"http://127.0.0.1:{self.port}"
+        for port in (self.server_port, self.port):
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def make_arrays(root: str, count: int, nbytes: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(count):
+        name = f"arr{i}.npy"
+        path = os.path.join(root, name)
+        rows = max(1, nbytes // ROW_BYTES)
+        if not os.path.exists(path) or os.path.getsize(path) < rows * ROW_BYTES:
+            np.save(path, rng.integers(0, 255, size=(rows, ROW_BYTES), dtype=np.uint8))
+        names.append(name)
+    return names
+
+
+# -- contenders -----------------------------------------------------------------------------------
+def _cpu_s(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def run_pool(urls: list[str], window: int, workers: int, concurrency: int, seconds: float, tmp: str) -> dict:
+    from growcache import Cache, SamplerPool, Schema
+    from growcache.sources import NpyWindowSource
+
+    schema = Schema({"x": ("uint8", (window, ROW_BYTES))})
+    cache = Cache(tempfile.mkdtemp(dir=tmp), capacity="2GiB", schema=schema)
+    source = NpyWindowSource(urls, window)
+    sample_bytes = window * ROW_BYTES
+    pool = SamplerPool(cache, source, workers=workers, concurrency=concurrency, shard_size="64MiB", seed=1)
+    started = time.monotonic()
+    pool.start()
+    try:
+        first_shard = None
+        while pool.stats().records_written < max(2, concurrency // 2) and time.monotonic() - started < 60:
+            time.sleep(0.01)
+        t0, s0, cpu0 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
+        end = t0 + seconds
+        while time.monotonic() < end:
+            if first_shard is None and pool.stats().shards:
+                first_shard = time.monotonic() - started
+            time.sleep(0.02)
+        t1, s1, cpu1 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
+        while first_shard is None and time.monotonic() - started < 30:
+            if pool.stats().shards:
+                first_shard = time.monotonic() - started
+            time.sleep(0.02)
+    finally:
+        final = pool.stop()
+    samples = s1.records_written - s0.records_written
+    payload = samples * sample_bytes
+    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": samples / (t1 - t0),
+            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
+            "peak_rss_MB": max(final.worker_peak_rss) / 2**20, "first_shard_s": first_shard,
+            "latency_p50_ms": s1.latency_p50 * 1e3, "latency_p99_ms": s1.latency_p99 * 1e3,
+            "throttle_events": s1.throttle_events}
+
+
+def run_plain(urls: list[str], window: int, threads: int, seconds: float) -> dict:
+    """``threads`` threads each calling ``fs.cat_file`` on random windows, in this process."""
+    import fsspec
+
+    fs = fsspec.filesystem("http", skip_instance_cache=True)
+    header = 128  # np.save's header for these arrays
+    rows = [fs.size(u) // ROW_BYTES for u in urls]
+    counts = [0] * threads
+    stop = threading.Event()
+
+    def loop(n: int) -> None:
+        rng = random.Random(n)
+        while not stop.is_set():
+            i = rng.randrange(len(urls))
+            start = header + rng.randrange(rows[i] - window) * ROW_BYTES
+            fs.cat_file(urls[i], start=start, end=start + window * ROW_BYTES)
+            counts[n] += 1
+
+    pool = [threading.Thread(target=loop, args=(n,), daemon=True) for n in range(threads)]
+    for t in pool:
+        t.start()
+    time.sleep(min(1.0, seconds / 3))
+    c0, t0, cpu0 = sum(counts), time.monotonic(), time.process_time()
+    time.sleep(seconds)
+    c1, t1, cpu1 = sum(counts), time.monotonic(), time.process_time()
+    stop.set()
+    for t in pool:
+        t.join(30)
+    payload = (c1 - c0) * window * ROW_BYTES
+    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": (c1 - c0) / (t1 - t0),
+            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
+            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "first_shard_s": None}
+
+
+def main(args: argparse.Namespace) -> dict:
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+        if args.update_docs:
+            update_docs(results)
+        print(markdown(results))
+        return results
+    results: dict[str, Any] = {"runs": [], "host_cores": os.cpu_count(), "args": vars(args),
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    tmp = tempfile.mkdtemp(prefix="growcache-fill-")
+    data = args.dir or os.path.join(tmp, "data")
+    os.makedirs(data, exist_ok=True)
+    names = make_arrays(data, args.arrays, args.array_bytes)
+    try:
+        for latency in args.latency_ms:
+            store = Store(data, latency, args.jitter_ms)
+            try:
+                urls = [f"{store.url}/{n}" for n in names]
+                for kib in args.window_kib:
+                    window = max(1, kib * 1024 // ROW_BYTES)
+                    size = window * ROW_BYTES
+                    run = {"latency_ms": latency, "window_bytes": size, "contenders": {}}
+                    run["contenders"]["plain_32_threads"] = run_plain(urls, window, 32, args.seconds)
+                    for workers in args.workers:
+                        for concurrency in args.concurrency:
+                            name = f"pool_{workers}w_c{concurrency}"
+                            run["contenders"][name] = run_pool(urls, window, workers, concurrency, args.seconds, tmp)
+                            print(f"{latency} ms {size >> 10} KiB {name}: {run['contenders'][name]}", flush=True)
+                    ideal = 32 * size / (latency / 1e3) / 1e6 if latency else None
+                    run["contenders"]["ideal_32"] = {"MBps": ideal, "samples_per_s": ideal and ideal * 1e6 / size}
+                    results["runs"].append(run)
+            finally:
+                store.close()
+    finally:
+        if not args.dir:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.markdown:
+        print(markdown(results))
+    if args.update_docs and not args.quick:
+        update_docs(results)
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = ["| latency | window | contender | MB/s | samples/s | x plain 32 | CPU s/GB | peak RSS MB | first shard s |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for run in results["runs"]:
+        plain = run["contenders"]["plain_32_threads"]["MBps"]
+        for name, c in run["contenders"].items():
+            def fmt(v: Any, spec: str = ".1f") -> str:
+                return "" if v is None else format(v, spec)
+            ratio = c["MBps"] / plain if c.get("MBps") is not None and plain else None
+            lines.append(f"| {run['latency_ms']:g} ms | {run['window_bytes'] >> 10} KiB | `{name}` | {fmt(c['MBps'])} | "
+                         f"{fmt(c.get('samples_per_s'), '.0f')} | {fmt(ratio, '.2f')} | "
+                         f"{fmt(c.get('cpu_s_per_GB'), '.2f')} | {fmt(c.get('peak_rss_MB'), '.0f')} | "
+                         f"{fmt(c.get('first_shard_s'), '.2f')} |")
+    return "\n".join(lines)
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
+BEGIN, END = "<!-- fill:begin (benchmarks/fill.py --update-docs writes this block) -->", "<!-- fill:end -->"
+
+
+def update_docs(results: dict, path: str = DOCS) -> None:
+    """Replace the generated fill block of ``docs/benchmarks.md`` (added at the end the first time)."""
+    a = results.get("args", {})
+    block = (f"{BEGIN}\n\nMeasured {results.get('date', '')} on {results['host_cores']} cores: "
+             f"{a.get('arrays')} arrays of {a.get('array_bytes', 0) >> 20} MiB behind a {a.get('jitter_ms', 0):g} ms "
+             f"jitter relay, {a.get('seconds')} s measured per contender.\n\n{markdown(results)}\n\n{END}")
+    with open(path) as f:
+        text = f.read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--latency-ms", type=lambda t: [float(x) for x in t.split(",")], default=[50.0])
+    p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument("--window-kib", type=_ints, default=[1024, 16])
+    p.add_argument("--workers", type=_ints, default=[1, 2])
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 128])
+    p.add_argument("--arrays", type=int, default=4)
+    p.add_argument("--array-bytes", type=int, default=64 << 20)
+    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per contender")
+    p.add_argument("--dir", default=None, help="keep the arrays here and reuse them")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny and short: checks that it works")
+    p.add_argument("--update-docs", action="store_true", help="rewrite the generated fill block of docs/benchmarks.md")
+    p.add_argument("--from-json", default=None, help="render (and with --update-docs write) a saved run; run nothing")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.latency_ms, args.window_kib, args.workers, args.concurrency = [20.0], [16], [1], [1, 8]
+        args.arrays, args.array_bytes, args.seconds = 2, 1 << 20, 0.5
+    return args
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve_files(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--relay":
+        relay(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+    else:
+        main(parse_args())
