@@ -311,3 +311,13 @@ except growcache.CorruptShardError as exc:
 """)
     assert "ADD 0 data CRC32C mismatch" in out and "ITER 0 data CRC32C mismatch" in out, out
     assert peak < 64 * MiB, f"peak {peak / MiB:.0f} MiB for a record claiming 256 MiB of a sparse file"
+
+
+def test_a_file_gone_from_the_store_is_skipped_and_the_rest_imported(tmp_path):
+    (tmp_path / "a.tfrecord").write_bytes(framed([labelled(0, i) for i in range(3)]))
+    (tmp_path / "c.tfrecord").write_bytes(framed([labelled(2, i) for i in range(3)]))
+    files = [str(tmp_path / "a.tfrecord"), str(tmp_path / "b.tfrecord"), str(tmp_path / "c.tfrecord")]
+    report = import_files(files, tmp_path / "cache", schema=LABELLED)
+    assert (report.files, report.records, report.stopped) == (2, 6, None)
+    (url, reason), = report.refused
+    assert url.endswith("b.tfrecord") and "No such file" in reason
