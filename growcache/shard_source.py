@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 _HISTORY = 16  # passes whose fetches the state file keeps
 _RELIST_S = 10.0  # between passes, seconds between listings of the store
 _RELIST = object()
+_PROBE_FILES = 3  # shards a probe reads before one bad shard counts as a bad source
 _BAD_RETRY_S = 3600.0  # a corrupt remote shard that does not change is tried again this often
 
 
@@ -235,10 +236,12 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
 
     def probe(self, schema: Schema | None = None, *, records: int = 16,
               max_record_bytes: int | str | None = None) -> Schema:
-        """Read the first records of the first shard, before any worker starts.
+        """Read the first records of the first shards, before any worker starts.
 
         A glob that matches nothing, a store that cannot be reached, files that are not
-        TFRecord files and records of another schema are then one error, at once.
+        TFRecord files and records of another schema are then one error, at once. One bad
+        file is no such error: a shard that fails is passed over with a warning and the next
+        one is read, up to ``_PROBE_FILES`` shards.
 
         Args:
             schema: the schema the records must follow (the cache's). ``None``: infer it
@@ -252,10 +255,21 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
 
         Raises:
             SourceError: the store failed, or the glob matches nothing.
-            CorruptShardError: the first shard is not a TFRecord file, or is damaged there.
-            SchemaError: its records do not follow ``schema``, or hold no fixed-shape schema.
+            CorruptShardError: the first shards are not TFRecord files, or are damaged there
+                (the first one's error).
+            SchemaError: their records do not follow ``schema``, or hold no fixed-shape schema.
         """
-        path = self.paths()[0]
+        first: Exception | None = None
+        for path in self.paths()[:_PROBE_FILES]:
+            try:
+                return self._probe_one(path, schema, records, max_record_bytes)
+            except (CorruptShardError, SchemaError, CompressedFileError) as exc:
+                first = first or exc
+                logger.warning("%s: %s cannot be read (%s); probing the next shard", self._redact(", ".join(self.urls)),
+                               self._url(path), exc)
+        raise first  # type: ignore[misc]
+
+    def _probe_one(self, path: str, schema: Schema | None, records: int, max_record_bytes: int | str | None) -> Schema:
         if schema is None:
             return _infer(self, path, records, max_record_bytes=_record_limit(max_record_bytes))
         url = self._url(path)

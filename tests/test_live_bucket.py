@@ -19,7 +19,7 @@ import pytest
 from test_shard_source import SCHEMA, fetch_once, make_remote, state_of
 from tfrecords import framed, labelled
 
-from growcache import Cache, CacheFormatError, SamplerPool, TFRecordShardSource
+from growcache import Cache, CacheFormatError, CorruptShardError, SamplerPool, TFRecordShardSource
 from growcache.records import iter_records
 from growcache import shard_source
 from growcache.shard_source import pass_progress
@@ -267,3 +267,15 @@ def test_a_copy_whose_claim_was_taken_over_publishes_nothing(tmp_path):
     out_a, err_a = a.communicate(timeout=60)
     assert "PUBLISHED" not in out_a and ("REFUSED ClaimLostError" in out_a or "taken over" in err_a), (out_a, err_a)
     assert sorted(_records(cache)) == sorted(records), "each record once"
+
+
+def test_a_probe_passes_over_one_bad_first_shard(tmp_path, caplog):
+    make_remote(tmp_path / "remote", 2)
+    (tmp_path / "remote" / "train-00000-of-00002").write_bytes(b"damaged" * 20)  # the first in the listing
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    with caplog.at_level("WARNING", logger="growcache"):
+        assert source.probe() == SCHEMA and source.probe(SCHEMA) == SCHEMA
+    assert "train-00000-of-00002 cannot be read" in caplog.text
+    (tmp_path / "remote" / "train-00001-of-00002").write_bytes(b"damaged" * 20)
+    with pytest.raises(CorruptShardError, match="train-00000-of-00002"):
+        source.probe(SCHEMA)  # every shard bad: the first one's error
