@@ -679,18 +679,18 @@ def _refuse_linked_sources(cache: Cache) -> None:
     cache._manifest.check_layout()
 
 
-# fsspec info keys that name an object's version, the most precise first.
-_VERSION_KEYS = ("generation", "VersionId", "etag", "ETag", "md5Hash", "mtime", "LastModified", "updated", "created",
-                 "ino")
+# fsspec info keys that name an object's version, the most precise first. One is used: a
+# listing and a metadata request of one store must give the same version, and some fields
+# differ between the two (S3's LastModified has milliseconds in a listing, not in a HEAD).
+_VERSION_KEYS = ("generation", "VersionId", "ETag", "etag", "md5Hash", "mtime", "LastModified", "updated", "created")
 
 
 def _version(info: Any) -> str:
-    """A remote shard's version: its size and whatever the store says identifies its content."""
+    """A remote shard's version: its size and the first field the store names its content by."""
     if not isinstance(info, dict):
         return "?"
-    parts = [f"size={info.get('size')}"]
-    parts += [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) is not None]
-    return ";".join(parts)
+    key = next((k for k in _VERSION_KEYS if info.get(k) is not None), None)
+    return f"size={info.get('size')}" + (f";{key}={info[key]}" if key else "")
 
 
 def _mark_fetched(state: dict[str, Any], path: str, end: int) -> None:

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from stores import gcs, gcs_server, s3, s3_server  # noqa: F401
 from test_shard_source import SCHEMA, fetch_once, make_remote, state_of
 from tfrecords import framed, labelled
 
@@ -112,6 +113,24 @@ def test_a_linked_sources_directory_is_refused(tmp_path):
 
 
 # -- a live bucket ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_name", ["local", "s3", "gcs"])
+def test_a_listing_and_a_metadata_request_give_one_version(request, tmp_path, store_name):
+    # Else every shard would look rewritten the moment it is fetched, and never be fetched.
+    if store_name == "local":
+        make_remote(tmp_path / "remote", 2)
+        source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    else:
+        store = request.getfixturevalue(store_name)
+        for name in ("train-0", "train-1"):
+            store.put(f"data/{name}", framed([labelled(0, 0)]))
+        source = TFRecordShardSource(f"{store.url}/data/train-*", storage_options=store.storage_options)
+    listing = source._list_versions()
+    assert len(listing) == 2 and all(source._version_now(path) == version for path, version in listing.items())
+    first = sorted(listing)[0]
+    source.fs.pipe_file(first, framed([labelled(1, 0)]))  # rewritten, the same size
+    assert source._version_now(first) != listing[first]
+
+
 def test_a_shard_deleted_during_a_pass_is_passed_over_and_counted(tmp_path, caplog, monkeypatch):
     remote = make_remote(tmp_path / "remote", 4)
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
