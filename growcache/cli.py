@@ -123,6 +123,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     s = cache.stats()
     rows = [
         ("path", s.path),
+        *((("access", f"read-only ({cache._read_only}): status and verify work, writing commands do not"),)
+          if cache._read_only else ()),
         ("schema", repr(cache.schema)),
         ("shards", f"{s.shards}"),
         ("records", f"{s.records}"),

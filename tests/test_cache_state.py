@@ -339,7 +339,7 @@ _STATUS_VERIFY_PRUNE = (
 
 def _check_read_only_run(result: subprocess.CompletedProcess, why: str) -> None:
     assert "CODES [0, 0, 1]" in result.stdout, result.stdout + result.stderr
-    assert "shards  " in result.stdout or "shards" in result.stdout
+    assert f"access       read-only ({why}" in result.stdout
     assert "1 shards, 3 records checked, 0 corrupt" in result.stdout
     assert f"growcache prune: [Errno" in result.stderr and why in result.stderr
     assert "needs write access" in result.stderr
