@@ -31,6 +31,7 @@ DEFAULT_OWNER_EXPIRY_S = 60.0
 _EXPIRY_ENV = "GROWCACHE_OWNER_EXPIRY"
 _NODE_ENV = "GROWCACHE_NODE"
 _FAULT_ENV = "GROWCACHE_FAULT"
+_PID_MAX = 4194304  # Linux's largest pid_max (PID_MAX_LIMIT on 64-bit)
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -159,7 +160,9 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbea
     """
     if host is not None and host != this_host():
         return heartbeat is None or time.time() - heartbeat <= (owner_expiry() if expiry is None else expiry)
-    if not isinstance(pid, int) or pid <= 0:  # 0 and -1 would probe process groups, not a process
+    # 0 and -1 would probe process groups, not a process; a pid past any kernel's pid_max (a
+    # crafted file's) is no process, and os.kill would raise OverflowError on it.
+    if not isinstance(pid, int) or not 0 < pid <= _PID_MAX:
         return False
     try:
         os.kill(pid, 0)

@@ -52,6 +52,8 @@ EPOCHS_DIR = "epochs"
 #: crafted huge file is a :class:`CacheFormatError`, never an allocation of its size.
 MAX_STATE_FILE_BYTES = 16 << 20
 _MAX_COUNTER = 2**63 - 1  # counters are shown and summed as int64
+#: The largest record a stored schema may describe: protobuf's 2 GiB message limit.
+MAX_RECORD_PAYLOAD_BYTES = 2 << 30
 # Counters that only grow; their default is 0. ``next_seq`` (default 1) is kept apart.
 _COUNTERS = ("published", "published_bytes", "evicted", "evicted_bytes", "sampler_runs")
 
@@ -251,7 +253,7 @@ class Manifest:
             )
         replacing = set(replacing)
         capacity = data.get("capacity")
-        if "capacity" not in replacing and not (_is_int(capacity) and capacity > 0):
+        if "capacity" not in replacing and not (_is_int(capacity) and 0 < capacity <= _MAX_COUNTER):
             raise CacheFormatError(
                 f"{path}: field 'capacity' is {capacity!r}, not a positive number of bytes. Nothing was deleted. "
                 "Store a valid budget by opening the cache with Cache(path, capacity='500GB') (any size)."
@@ -269,7 +271,10 @@ class Manifest:
             try:
                 if not isinstance(schema, dict):
                     raise TypeError(f"a {type(schema).__name__}, not an object")
-                Schema.from_dict(schema)
+                payload = Schema.from_dict(schema).record_payload_bytes
+                if payload > MAX_RECORD_PAYLOAD_BYTES:  # readers allocate whole batches of records
+                    raise ValueError(f"a record of {payload} bytes, more than the "
+                                     f"{MAX_RECORD_PAYLOAD_BYTES >> 30} GiB a TFRecord Example can hold")
             except (ValueError, TypeError) as exc:
                 raise CacheFormatError(
                     f"{path}: field 'schema' is damaged ({exc}). Restore the file from a backup: the schema is "

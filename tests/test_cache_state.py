@@ -125,6 +125,32 @@ def test_a_lease_without_a_start_time_is_expired(id_cache):
     assert [s.seq for s in id_cache.evict(to=0)] == [1, 2]
 
 
+def test_pids_past_any_pid_max_are_dead_owners_not_an_overflow(id_cache):
+    write_shards(id_cache, [2])
+    with open(os.path.join(id_cache.path, "leases", "big.json"), "w") as f:
+        json.dump({"pid": 2**40, "start_time": 1, "host": None, "created": 0, "holder": "", "seqs": [1]}, f)
+    open(os.path.join(id_cache.shards_dir, ".tmp-99999999999-1-aa.tfrecord"), "wb").close()  # ours: by pid
+    assert id_cache.stats().leases == 0
+    Cache(id_cache.path)
+    assert sorted(os.listdir(id_cache.shards_dir)) == [os.path.basename(id_cache.list_shards()[0].path)]
+    assert os.listdir(os.path.join(id_cache.path, "leases")) == []
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("capacity", 2**70, "field 'capacity'"),
+    ("schema", {"x": ["float32", [1 << 20, 1 << 20]]}, "more than the 2 GiB"),
+])
+def test_metadata_values_out_of_range_are_refused(id_cache, field, value, match):
+    path = os.path.join(id_cache.path, "growcache.json")
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata[field] = value
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    with pytest.raises(CacheFormatError, match=match):
+        Cache(id_cache.path)
+
+
 def test_an_oversized_state_file_is_refused_without_reading_it_whole(id_cache):
     with open(os.path.join(id_cache.path, "growcache.json"), "ab") as f:
         f.truncate(1 << 30)  # sparse: a 1 GiB metadata file
