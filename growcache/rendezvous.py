@@ -385,6 +385,7 @@ class FileRendezvous:
         path = self.path(epoch)
         if self.rank == 0:
             remove_stale_epoch_files(os.path.dirname(self.dir))
+            _proc.let_go(path)  # its heartbeat, if an earlier attempt of this process wrote it
             _unlink_quiet(path)  # a failed earlier attempt's error, which a retrying rank must not read
             shards = take()
             pid, start = _proc.this_process()
