@@ -381,7 +381,12 @@ class Cache:
         self._manifest.check_layout()
         tmp = os.path.join(self.shards_dir, temp_shard_name(os.urandom(6).hex()))
         moved = self._take_in(source, tmp, move)
+        # A moved file keeps its old modification time: without a fresh heartbeat, a process of
+        # another process table would judge the temporary dead at once and delete the user's file.
+        _proc.keep_alive(tmp)
+        times = os.stat(tmp)
         try:
+            os.utime(tmp)
             size = os.path.getsize(tmp)
             if size > self.capacity:
                 raise CacheFullError(
@@ -397,11 +402,13 @@ class Cache:
                 os.close(fd)
             info = self._publish(tmp, records, size)
         except CorruptShardError as exc:
-            _give_back(tmp, source if moved else None)
+            _give_back(tmp, source if moved else None, times)
             raise CorruptShardError(source, exc.offset, exc.reason) from None
         except BaseException:
-            _give_back(tmp, source if moved else None)
+            _give_back(tmp, source if moved else None, times)
             raise
+        finally:
+            _proc.let_go(tmp)
         if move and not moved:
             _unlink_quiet(source)  # a copied file, or a link (never its target)
         return info
@@ -788,14 +795,17 @@ def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
     return sized
 
 
-def _give_back(tmp: str, moved_from: str | None) -> None:
-    """Undo a failed :meth:`Cache.add_shard`: a moved file goes back where it was, a copy is removed.
+def _give_back(tmp: str, moved_from: str | None, times: os.stat_result) -> None:
+    """Undo a failed :meth:`Cache.add_shard`: a moved file goes back where it was (with its own
+    times), a copy is removed.
 
     The caller's file is never lost to a file that was refused (corrupt, wrong schema, no room).
     """
     if moved_from is None:
         _unlink_quiet(tmp)
         return
+    with contextlib.suppress(OSError):
+        os.utime(tmp, ns=(times.st_atime_ns, times.st_mtime_ns))
     try:
         os.replace(tmp, moved_from)
     except FileNotFoundError:

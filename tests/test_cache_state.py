@@ -295,6 +295,33 @@ def test_a_temporary_of_another_table_lives_by_the_expiry_its_name_states(id_cac
     assert os.listdir(shards) == [names[600]]
 
 
+class _SweptWhileChecking(Cache):
+    """A cache whose add_shard check is interrupted by another process table opening the cache
+    (which sweeps temporaries whose owner it cannot see alive)."""
+
+    def _check_added(self, tmp, source):
+        swept = _run(f"from growcache import Cache; Cache({self.path!r})", env={"GROWCACHE_NODE": "elsewhere"})
+        assert swept.returncode == 0, swept.stderr
+        return super()._check_added(tmp, source)
+
+
+def test_a_file_moved_in_by_add_shard_is_kept_alive_while_it_is_checked(id_cache, tmp_path):
+    other = Cache(tmp_path / "other", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(other, [4])
+    given = tmp_path / "given.tfrecord"
+    shutil.move(other.list_shards()[0].path, given)
+    os.utime(given, (1e9, 1e9))  # written long ago: a moved file keeps that time
+    cache = _SweptWhileChecking(id_cache.path)
+    assert cache.add_shard(given, move=True).records == 4
+    assert not given.exists() and cache.stats().records == 4
+    broken = tmp_path / "broken.tfrecord"
+    broken.write_bytes(b"\0" * 40)
+    os.utime(broken, (1e9, 1e9))
+    with pytest.raises(CorruptShardError):
+        cache.add_shard(broken, move=True)
+    assert os.stat(broken).st_mtime == 1e9  # a refused file goes back as it was
+
+
 @pytest.mark.parametrize("value", ["inf", "1e-9", "nan", "-5", "soon"])
 def test_an_owner_expiry_out_of_range_is_a_clear_error(id_cache, value):
     write_shards(id_cache, [2])
