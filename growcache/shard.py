@@ -60,8 +60,8 @@ class ShardInfo:
         """Parse a published shard's file name; ``None`` if it is not one.
 
         A name is untrusted: one whose counts no shard could have (sequence number 0, no
-        record, or more records than its bytes can frame) is not a shard (see
-        :func:`impossible_name`).
+        record, or more records than its bytes can frame) is not a shard; ``verify`` reports
+        such a file as corrupt.
         """
         match = _SHARD_NAME.match(os.path.basename(path))
         if match is None:
