@@ -97,6 +97,10 @@ class Flow:
                 if self.limit < self.concurrency:
                     self.limit = min(float(self.concurrency), self.limit + 1.0 / self.limit)
 
+    def sampled(self, seconds: float) -> None:
+        """A whole sample's time, as the latency figure of a sampler that draws one at a time."""
+        self._latencies.append(seconds)
+
     def latency_percentiles(self) -> tuple[float, float, float]:
         """p50, p95 and p99 of the recent request latencies, in seconds (zeros before any)."""
         with self._cond:
@@ -325,7 +329,10 @@ def _defines(source: Any, name: str) -> bool:
     return callable(getattr(type(source), name, None))
 
 
-_warned_serial = False
+def runs_concurrently(source: Any) -> bool:
+    """True if ``source`` declared how to run concurrently (or is a store source, which always can)."""
+    return (getattr(source, "concurrent_mode", None) is not None or _defines(source, "sample_async")
+            or _defines(source, "sample_many") or bool(getattr(source, "thread_safe", False)))
 
 
 def make_engine(source: Any, concurrency: int) -> Engine | None:
@@ -334,7 +341,6 @@ def make_engine(source: Any, concurrency: int) -> Engine | None:
     Store sources declare their mode (:meth:`~growcache.store.StoreSource.concurrent_mode`);
     a user source runs concurrently only if it says it can, never by surprise.
     """
-    global _warned_serial
     if concurrency <= 1:
         return None
     mode: Callable[[], str] | None = getattr(source, "concurrent_mode", None)
@@ -350,11 +356,4 @@ def make_engine(source: Any, concurrency: int) -> Engine | None:
         return BatchEngine(source, concurrency)
     if getattr(source, "thread_safe", False):
         return ThreadEngine(source, concurrency)
-    if not _warned_serial:
-        _warned_serial = True
-        logger.info(
-            "%s draws one sample at a time although concurrency=%d: it did not declare itself safe to call "
-            "concurrently. Wrap it as FunctionSource(fn, thread_safe=True) if it is, or give the source "
-            "'async def sample_async(rng)' or 'sample_many(rngs)' (see docs/api.md, Concurrent sampling).",
-            source.redact(repr(source)), concurrency)
     return None

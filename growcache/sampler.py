@@ -75,7 +75,7 @@ import numpy as np
 
 from ._size import format_size, parse_size
 from . import _sampler_stats
-from ._concurrent import _TICKET, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine
+from ._concurrent import DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine, runs_concurrently
 from . import _proc
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
@@ -116,7 +116,8 @@ _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
 _STATS_FILE_S = 1.0
-_FIRST_SHARD_AGE_S = 1.0  # a worker's first shard is published after at most this long  # the stats file is rewritten this often
+_FIRST_SHARD_AGE_S = 1.0
+_SERIAL_CLAIMS = 8  # indices a worker drawing one sample at a time claims under one lock  # a worker's first shard is published after at most this long  # the stats file is rewritten this often
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 # After stop(), a worker still inside one sample call this long is interrupted (a silent store).
 _INTERRUPT_AFTER_S = 0.5
@@ -140,8 +141,41 @@ def sample_rng(seed: int, index: int, run: int = 0) -> np.random.Generator:
     in which requests finish: a fresh cache sampled with one seed and ``stop_after`` gets the
     same set of records again, and a later pool on the same cache (a new run) never replays
     earlier ones.
+
+    The stream is a counter-based Philox generator whose key is (a hash of seed and run, the
+    index): a distinct key per sample, made in about half the time of a ``SeedSequence``.
     """
-    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(run, index)))
+    return np.random.Generator(np.random.Philox(key=np.array([_run_key(seed, run), index], dtype=np.uint64)))
+
+
+_RUN_KEYS: dict[tuple[int, int], int] = {}
+
+
+def _run_key(seed: int, run: int) -> int:
+    key = _RUN_KEYS.get((seed, run))
+    if key is None:
+        key = int(np.random.SeedSequence(seed, spawn_key=(run,)).generate_state(1, np.uint64)[0])
+        _RUN_KEYS[(seed, run)] = key
+    return key
+
+
+class _ReusedSampleRNG:
+    """:func:`sample_rng`'s streams through one generator whose key is reset per sample (a
+    fifth of the cost of a new one): for a worker that draws one sample at a time."""
+
+    def __init__(self, seed: int, run: int) -> None:
+        self._key = _run_key(seed, run)
+        self._bits = np.random.Philox(key=np.array([self._key, 0], dtype=np.uint64))
+        self._rng = np.random.Generator(self._bits)
+        self._state = self._bits.state
+
+    def __call__(self, index: int) -> np.random.Generator:
+        state = self._state
+        state["state"] = {"counter": np.zeros(4, dtype=np.uint64),
+                          "key": np.array([self._key, index], dtype=np.uint64)}
+        state["buffer_pos"], state["has_uint32"], state["uinteger"] = 4, 0, 0
+        self._bits.state = state
+        return self._rng
 
 
 class _Indices:
@@ -196,6 +230,27 @@ class _Indices:
             held[at] = index
             control[_NEXT] = index + 1
             return index
+
+    def claim_many(self, count: int) -> list[tuple[int, int]]:
+        """Up to ``count`` new indices, held in in-flight slots ``0..count-1``, as ``(slot, index)``
+        pairs in the reverse order of their claim (so that ``pop()`` takes the first)."""
+        held, control, at = self.held, self.control, self.base + _OPEN_HEAD
+        out: list[tuple[int, int]] = []
+        with self.lock:
+            for slot in range(count):
+                waiting = control[_NRETURNED]
+                if waiting > 0:
+                    index = self.returned[waiting - 1]
+                    held[at + slot] = index
+                    control[_NRETURNED] = waiting - 1
+                else:
+                    index = control[_NEXT]
+                    if 0 <= control[_END] <= index:
+                        break
+                    held[at + slot] = index
+                    control[_NEXT] = index + 1
+                out.append((slot, index))
+        return out[::-1]
 
     def opened(self, area: int, token: int) -> None:
         """A new shard in progress, whose temporary's name ends in ``token``, fills ``area``."""
@@ -477,6 +532,8 @@ class SamplerPool:
         self.stop_after = stop_after
         self.concurrency = concurrency
         self.max_bytes_in_flight = max_bytes_in_flight
+        if concurrency > 1 and not isinstance(source, ShardSource) and not runs_concurrently(source):
+            _hint_serial_once(source, concurrency)
         self._config = _WorkerConfig(cache, source, self.seed, size, max_shard_age, frame,
                                      logging.getLogger("growcache").getEffectiveLevel(), stop_after=stop_after,
                                      concurrency=concurrency, max_bytes_in_flight=max_bytes_in_flight,
@@ -535,7 +592,7 @@ class SamplerPool:
         self._control[_END] = -1 if self.stop_after is None else self.stop_after
         self._index_lock = _ProcessLock()
         if not isinstance(self.source, ShardSource):
-            slots, cap = self.concurrency, self._config.shard_records
+            slots, cap = max(self.concurrency, _SERIAL_CLAIMS), self._config.shard_records
             row = _Indices.row_size(slots, cap)
             held = self._ctx.Array("q", self.workers * row, lock=False)
             for worker in range(self.workers):
@@ -941,6 +998,19 @@ def _refers_to_main(pickled: bytes) -> bool:
 
 
 _warned_main = False
+_hinted_serial = False
+
+
+def _hint_serial_once(source: Source, concurrency: int) -> None:
+    global _hinted_serial
+    if _hinted_serial:
+        return
+    _hinted_serial = True
+    logger.info(
+        "%s draws one sample at a time although concurrency=%d: it did not declare itself safe to call "
+        "concurrently. Wrap it as FunctionSource(fn, thread_safe=True) if it is, or give the source "
+        "'async def sample_async(rng)' or 'sample_many(rngs)' (see SamplerPool in docs/api.md).",
+        source.redact(repr(source)), concurrency)
 
 
 def _warn_main_once(source: Source) -> None:
@@ -1295,31 +1365,33 @@ class _SampleLoop:
             self.counters[self.base + _DONE] = 1  # the quota is used up: the parent does not restart it
 
     def _run_serial(self) -> None:
-        """One sample at a time, in this thread (``concurrency=1``, or a source that is not concurrent)."""
-        cfg, indices = self.cfg, self.indices
+        """One sample at a time, in this thread (``concurrency=1``, or a source that is not concurrent).
+
+        Indices are claimed a few at a time (one lock for several samples); the sample's own
+        time stands for its requests' latency in the figures.
+        """
+        cfg, indices, flow = self.cfg, self.indices, self.flow
+        rng_of = _ReusedSampleRNG(cfg.seed, cfg.run)
         sample_s = 0.0  # running mean of one sample's time, to publish before a slow one
+        claimed: list[tuple[int, int]] = []
         while not self.stopping():
             if self.old_enough(sample_s):
                 self.publish()
-            index = indices.claim(0)
-            if index is None:
-                break
-            ticket = Ticket(self.flow)
-            token = _TICKET.set(ticket)
+            if not claimed:
+                claimed = indices.claim_many(min(indices.slots, _SERIAL_CLAIMS))
+                if not claimed:
+                    break
+            slot, index = claimed.pop()
             start = time.monotonic()
             try:
                 with self.sampling:
-                    sample = self.source(sample_rng(cfg.seed, index, cfg.run))
+                    sample = self.source(rng_of(index))
             except _Interrupted:
                 break  # stop() came while a store call hung: publish what is written
-            finally:
-                _TICKET.reset(token)
             took = time.monotonic() - start
             sample_s = took if sample_s == 0.0 else 0.8 * sample_s + 0.2 * took
-            try:
-                self.write(0, index, sample)
-            finally:
-                ticket.release()
+            flow.sampled(took)
+            self.write(slot, index, sample)
             self.figures()
 
     def _run_concurrent(self) -> None:
