@@ -268,3 +268,23 @@ def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_pa
     assert http.peak_in_flight > 2, "requests were in flight together"
     assert 0 < stats.peak_bytes_in_flight <= bound
     assert http.peak_bytes_in_flight <= bound, f"the store saw {http.peak_bytes_in_flight} bytes in flight"
+
+
+def test_growcache_sample_concurrency_flag(tmp_path):
+    from growcache.cli import main
+
+    store = tmp_path / "store"
+    store.mkdir()
+
+    def put(name, data):
+        (store / name).write_bytes(data)
+        return str(store / name)
+
+    _arrays(put)
+    cache_dir = tmp_path / "cli"
+    assert main(["sample", "-q", f"file://{store}/*.npy", str(cache_dir), "--capacity", "16MB", "--window",
+                 str(WINDOW), "--records", "90", "--concurrency", "8", "--workers", "2", "--seed", "4"]) == 0
+    source = NpyWindowSource(f"file://{store}/*.npy", WINDOW)
+    assert _records(Cache(cache_dir)) == _expected(source, 4, 90)
+    assert main(["sample", "-q", f"file://{store}/*.npy", str(tmp_path / "bad"), "--window", "2",
+                 "--concurrency", "0"]) != 0
