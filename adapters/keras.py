@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from growcache.epoch import trainer_epoch
-from growcache.metrics import DEFAULT_LOGGED, InputStats, stats_source
+from growcache.metrics import DEFAULT_LOGGED, TrainerSource
 
 __all__ = ["InputStatsCallback", "fit_growing"]
 
@@ -161,7 +161,8 @@ class InputStatsCallback(keras.callbacks.Callback):
     Args:
         source: the dataset :func:`growcache.make_tf_dataset` returned (before any
             ``map``), its :class:`~growcache.Cache`, or the cache's directory. Default:
-            ``None``: the growcache dataset of this process whose epoch started last.
+            ``None``: the first growcache dataset of this process whose epoch started in the
+            Keras epoch (the training data: validation starts after it).
         figures: the names of :class:`~growcache.metrics.InputFigures` to log (``as_dict``
             names without the prefix). Default: data wait seconds and share, records per
             second, the share of new records, time to the first batch, cache bytes.
@@ -171,14 +172,19 @@ class InputStatsCallback(keras.callbacks.Callback):
     def __init__(self, source: Any = None, *, figures: Sequence[str] = DEFAULT_LOGGED,
                  prefix: str = "growcache/") -> None:
         super().__init__()
-        self._stats: Callable[[], InputStats] = stats_source(source)
+        self._source = TrainerSource(source)
         self._names = tuple(figures)
         self._prefix = prefix
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Note when the Keras epoch begins (the training data's epoch starts after it)."""
+        self._source.epoch_begins()
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Add the epoch's figures to ``logs`` (nothing when no growcache epoch ran in it)."""
         if logs is None:
             return
-        figures = self._stats().epoch
+        figures = self._source.figures()
         if figures is not None:
             values = figures.as_dict(self._prefix)
             logs.update({self._prefix + n: values[self._prefix + n] for n in self._names if self._prefix + n in values})

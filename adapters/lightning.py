@@ -13,11 +13,11 @@ when only that is installed; this module imports it, and ``import growcache`` ne
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from growcache.errors import MissingExtraError
-from growcache.metrics import DEFAULT_LOGGED, InputStats, MeteredLoader, stats_source
+from growcache.metrics import DEFAULT_LOGGED, MeteredLoader, TrainerSource
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -40,7 +40,8 @@ class InputStatsCallback(Callback):
     Args:
         loader: the loader from :func:`growcache.make_torch_loader`, its cache, or the cache's
             directory. Default: ``None``: the trainer's training loader when it is a growcache
-            loader, else the growcache loader of this process whose epoch started last.
+            loader, else the first growcache loader of this process whose epoch started in the
+            trainer's epoch (the training data: validation starts after it).
         figures: the names of :class:`~growcache.metrics.InputFigures` to log (``as_dict``
             names without the prefix). Default: data wait seconds and share, records and
             bytes per second, time to the first batch, the share of new records, cache bytes.
@@ -50,18 +51,20 @@ class InputStatsCallback(Callback):
     def __init__(self, loader: Any = None, *, figures: Sequence[str] = DEFAULT_LOGGED,
                  prefix: str = "growcache/") -> None:
         super().__init__()
-        self._stats: Callable[[], InputStats] | None = stats_source(loader) if loader is not None else None
+        self._source = TrainerSource(loader) if loader is not None else None
         self._names = tuple(figures)
         self._prefix = prefix
 
-    def _source(self, trainer: Any) -> Callable[[], InputStats]:
-        if self._stats is None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Find the training loader (at the first epoch) and note when the epoch begins."""
+        if self._source is None:
             loader = getattr(trainer, "train_dataloader", None)
-            self._stats = loader.stats if isinstance(loader, MeteredLoader) else stats_source(None)
-        return self._stats
+            self._source = TrainerSource(loader if isinstance(loader, MeteredLoader) else None)
+        self._source.epoch_begins()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        figures = self._source(trainer)().epoch
+        """Log the epoch's figures with ``pl_module.log_dict`` (nothing when no growcache epoch ran)."""
+        figures = self._source.figures() if self._source is not None else None
         if figures is None:
             return
         values = figures.as_dict(self._prefix)

@@ -38,8 +38,8 @@ from typing import Any
 from ._size import format_size
 from .cache import Cache
 
-__all__ = ["DEFAULT_LOGGED", "CacheFigures", "InputFigures", "InputMeter", "InputStats", "MeteredLoader", "input_stats",
-           "live_meters", "sampler_reader", "sampler_summary", "stats_source"]
+__all__ = ["DEFAULT_LOGGED", "CacheFigures", "InputFigures", "InputMeter", "InputStats", "MeteredLoader",
+           "TrainerSource", "input_stats", "live_meters", "sampler_reader", "sampler_summary", "stats_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -444,6 +444,7 @@ class InputMeter:
             return
         record.ended_at = _clock()
         record.finished = finished
+        record.epoch = None  # the figures outlive the epoch; its snapshot and plan need not
         record.skipped = len(self.epochs.skipped) - record.skipped_at_start
         sample = self._sample_cache()
         record.cache = _cache_figures(self._cache_sample, sample)
@@ -610,20 +611,40 @@ def _latest(meters: list[InputMeter]) -> InputMeter:
     return max(started, key=lambda m: m.latest.started_at) if started else meters[-1]
 
 
-def stats_source(source: Any = None) -> Callable[[], InputStats]:
-    """How a trainer callback reads the figures of ``source``: a loader or dataset with
-    ``stats()``, a cache or its directory (:func:`input_stats`), or ``None``: the loader or
-    dataset of this process whose epoch started last (no figures while there is none)."""
-    if source is None:
-        def latest() -> InputStats:
-            meters = live_meters()
-            return _latest(meters).stats() if meters else InputStats(None, _total([]))
-        return latest
+def stats_source(source: Any) -> Callable[[], InputStats]:
+    """How to read the figures of ``source``: a loader or dataset with ``stats()``, or a cache
+    or its directory (:func:`input_stats`)."""
     if isinstance(source, (Cache, str, os.PathLike)):
         return lambda: input_stats(source)
     if not callable(getattr(source, "stats", None)):
         raise TypeError(f"expected a growcache loader or dataset, a Cache or a cache directory, got {source!r}")
     return source.stats
+
+
+class TrainerSource:
+    """Which figures a trainer callback reports each epoch.
+
+    Args:
+        source: see :func:`stats_source`. Default: ``None``: the first growcache loader or
+            dataset of this process whose epoch started after the trainer's epoch began
+            (:meth:`epoch_begins`): the training data, since validation starts later.
+    """
+
+    def __init__(self, source: Any = None) -> None:
+        self._read = stats_source(source) if source is not None else None
+        self._since: float | None = None
+
+    def epoch_begins(self) -> None:
+        """The trainer's epoch begins now."""
+        self._since = _clock()
+
+    def figures(self) -> InputFigures | None:
+        """The figures of the trainer's epoch; ``None`` when no growcache epoch ran in it."""
+        if self._read is not None:
+            return self._read().epoch
+        since = self._since if self._since is not None else float("-inf")
+        started = [m for m in live_meters() if m.latest is not None and m.latest.started_at >= since]
+        return min(started, key=lambda m: m.latest.started_at).stats().epoch if started else None
 
 
 def live_meters() -> list[InputMeter]:

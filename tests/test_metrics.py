@@ -10,7 +10,7 @@ import pytest
 from conftest import write_shards
 from growcache import InputFigures, input_stats
 from growcache.epoch import EpochOptions, Epochs
-from growcache.metrics import CacheFigures, InputMeter, sampler_summary, stats_source
+from growcache.metrics import CacheFigures, InputMeter, TrainerSource, sampler_summary, stats_source
 
 
 def _epoch(meter: InputMeter, epochs: Epochs, batches: int, wait_s: float = 0.0, finish: bool = True):
@@ -102,3 +102,17 @@ def test_input_stats_finds_a_meter_by_cache_and_run(id_cache, tmp_path):
     assert stats_source(id_cache)().epoch.records == 4 and stats_source(meter)().epoch.records == 4
     with pytest.raises(TypeError, match="a Cache or a cache directory"):
         stats_source(42)
+
+
+def test_a_callback_without_a_source_reports_the_first_epoch_started_in_its_epoch(id_cache):
+    write_shards(id_cache, [4, 4])
+    train_epochs, val_epochs = Epochs(id_cache, EpochOptions(2)), Epochs(id_cache, EpochOptions(8))
+    train, val = InputMeter(train_epochs, log=False), InputMeter(val_epochs, log=False)
+    source = TrainerSource()
+    for _ in range(2):
+        source.epoch_begins()
+        assert source.figures() is None  # no growcache epoch started in this one yet
+        _epoch(train, train_epochs, 4)  # the training data, then validation over the same cache
+        _epoch(val, val_epochs, 1)
+        assert source.figures().batches == 4
+    assert TrainerSource(val).figures().batches == 1

@@ -121,3 +121,17 @@ def test_keras_a_slow_producer_shows_in_the_stage_bound(id_cache, monkeypatch):
     assert figures.data_wait_bound and figures.batches == 10
     assert history.history["growcache/data_wait_s"] == [figures.data_wait_s]
     assert figures.data_wait_s >= 0.8 * 10 * DELAY_S, figures
+
+
+def test_keras_callback_reports_the_training_data_beside_validation_on_the_same_cache(id_cache):
+    write_shards(id_cache, [8, 8])
+
+    def pipeline(batch_size):
+        ds = make_tf_dataset(id_cache, batch_size, label="id")
+        return ds.map(lambda f, y: ({"x": f["x"]}, tf.cast(y, tf.float32)))
+
+    history = fit_growing(_model(), pipeline(4), epochs=2, verbose=0, validation_data=pipeline(8),
+                          callbacks=[InputStatsCallback(figures=("batches", "records"))])
+    # 16 records: 4 training batches, 2 validation batches; validation reads after training.
+    assert history.history["growcache/batches"] == [4.0, 4.0]
+    assert history.history["growcache/records"] == [16.0, 16.0]
