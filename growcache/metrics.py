@@ -149,6 +149,11 @@ class InputFigures:
         return min(self.data_wait_s / self.wall_s, 1.0)
 
     @property
+    def batches_per_s(self) -> float:
+        """Batches per second of wall time."""
+        return self.batches / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
     def records_per_s(self) -> float:
         """Records per second of wall time."""
         return self.records / self.wall_s if self.wall_s > 0 else 0.0
@@ -174,7 +179,7 @@ class InputFigures:
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = float(value)
-        for name in ("data_wait_share", "records_per_s", "bytes_per_s", "new_share"):
+        for name in ("data_wait_share", "batches_per_s", "records_per_s", "bytes_per_s", "new_share"):
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = float(value)

@@ -81,7 +81,7 @@ def test_flat_names_for_loggers_leave_out_what_is_unknown():
                          evicted_bytes=0, interval_s=2.0, leases=0, leased_bytes=0)
     flat = InputFigures(epoch=0, records=8, wall_s=2.0, data_wait_s=0.5, cache=cache,
                         samplers={"requests_in_flight": 3, "host": "a", "failed": False}).as_dict("p/")
-    assert flat["p/data_wait_share"] == 0.25 and flat["p/records_per_s"] == 4.0
+    assert flat["p/data_wait_share"] == 0.25 and flat["p/records_per_s"] == 4.0 and flat["p/batches_per_s"] == 0.0
     assert flat["p/cache_fill_rate"] == 5.0 and flat["p/sampler_requests_in_flight"] == 3.0
     assert "p/new_share" not in flat and "p/sampler_host" not in flat and "p/sampler_failed" not in flat
     assert all(isinstance(v, float) for v in flat.values())
@@ -116,3 +116,15 @@ def test_a_callback_without_a_source_reports_the_first_epoch_started_in_its_epoc
         _epoch(val, val_epochs, 1)
         assert source.figures().batches == 4
     assert TrainerSource(val).figures().batches == 1
+
+
+def test_the_overhead_benchmark_runs():
+    # Its figures are speed, for benchmarks/ and docs/benchmarks.md; here only that it runs.
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import metrics_overhead
+
+    result = metrics_overhead.measure(batches=200, repeats=1)
+    assert set(result) == {"timed", "next_done", "stage"} and all(isinstance(v, float) for v in result.values())
