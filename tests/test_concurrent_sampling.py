@@ -31,7 +31,7 @@ SCHEMA = Schema({"x": ("int64", (WINDOW, 4))})
 QUICK = RetryPolicy(attempts=4, initial_delay=0.05, max_delay=0.2, deadline=10, stall_timeout=5)
 
 
-def _arrays(put, count: int = 3, rows: int = 200) -> list[str]:
+def _arrays(put, count: int = 3, rows: int = 2000) -> list[str]:
     """``count`` .npy arrays of distinct values, stored with ``put(name, data)``; their URLs."""
     import io
 
@@ -76,17 +76,18 @@ def test_same_records_at_any_concurrency_and_worker_count_on_local_files(tmp_pat
 
     _arrays(put)
     source = NpyWindowSource(str(store / "*.npy"), WINDOW)
-    cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=120)
+    # Enough samples that both workers of a pair draw some (the second starts a little later).
+    cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=1500)
     got = _records(cache)
     # Compared as sorted lists: a lost or a twice-drawn sample index shows (two indices may
     # draw the same window by chance, so a set would not do).
-    assert got == _expected(source, 11, 120), "the seed, not the concurrency or worker count, decides the records"
+    assert got == _expected(source, 11, 1500), "the seed, not the concurrency or worker count, decides the records"
 
 
 @pytest.mark.parametrize("concurrency,workers", [(1, 1), (8, 2), (32, 2)])
 def test_same_records_at_any_concurrency_on_s3(tmp_path, s3, concurrency, workers):  # noqa: F811
     # moto reads a whole object per ranged GET: small arrays only.
-    _arrays(s3.put, rows=100)
+    _arrays(s3.put, rows=100)  # moto reads the whole object per ranged GET
     source = NpyWindowSource(f"{s3.url}/a*.npy", WINDOW, storage_options=s3.storage_options, retry=QUICK)
     cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=80)
     assert _records(cache) == _expected(source, 11, 80)
