@@ -769,12 +769,16 @@ def check_schema_of(path: str, schema: Schema) -> None:
         break
 
 
+# How many bytes of records a shard whose file differs from its name may still claim.
+_CLAIM_SLACK = 8 << 10  # 512 records at the 16-byte minimum frame
+
+
 def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
     """``shards``, each checked against its file's size (one ``stat`` per shard).
 
     A shard's name is untrusted. One whose file holds other bytes than it claims keeps its
     place (its reader meets the corruption as ``on_corrupt`` says), but counts with its real
-    size, and with no more records than that size can frame: a name claiming 10**16 records
+    size, and with no more records than that size (or ``_CLAIM_SLACK``) can frame: a name claiming 10**16 records
     in 160 PB can neither make an epoch's plan or top up run for ever, nor make the budget
     evict every other shard. A shard gone since the listing is dropped. Used wherever a
     decision rests on the counts (snapshots, leases, eviction), not for plain listings.
@@ -786,7 +790,10 @@ def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
         except FileNotFoundError:
             continue
         if size != shard.nbytes:
-            records = min(shard.records, size // MIN_RECORD_BYTES)
+            # The name's count stands up to what a file of its size, or of _CLAIM_SLACK, could
+            # frame: a shard cut to nothing is still planned, so its reader notes the records it
+            # lost, while a count no file here could hold stays bounded.
+            records = min(shard.records, max(size, _CLAIM_SLACK) // MIN_RECORD_BYTES)
             (logger.warning if warn else logger.debug)(
                 "shard %s has %d bytes, its name says %d: it is corrupt (growcache verify reports it); it counts "
                 "with its real size and at most %d records", shard.path, size, shard.nbytes, records)
