@@ -229,6 +229,7 @@ def main(args: argparse.Namespace) -> dict:
             results = json.load(f)
         if args.update_docs:
             update_docs(results)
+            plot(results, os.path.join(os.path.dirname(DOCS), "img", "fill.png"))
         print(markdown(results))
         return results
     results: dict[str, Any] = {"runs": [], "host_cores": os.cpu_count(), "args": vars(args),
@@ -269,6 +270,7 @@ def main(args: argparse.Namespace) -> dict:
         print(markdown(results))
     if args.update_docs and not args.quick:
         update_docs(results)
+        plot(results, os.path.join(os.path.dirname(DOCS), "img", "fill.png"))
     return results
 
 
@@ -296,16 +298,45 @@ def update_docs(results: dict, path: str = DOCS) -> None:
     """Replace the generated fill block of ``docs/benchmarks.md`` (added at the end the first time)."""
     a = results.get("args", {})
     block = (f"{BEGIN}\n\nMeasured {results.get('date', '')} on {results['host_cores']} cores: "
-             f"{a.get('arrays')} arrays of {a.get('array_bytes', 0) >> 20} MiB behind a {a.get('jitter_ms', 0):g} ms "
-             f"jitter relay, {a.get('seconds')} s measured per contender.\n\n{markdown(results)}\n\n{END}")
+             f"{a.get('arrays')} arrays of {a.get('array_bytes', 0) >> 20} MiB, the relay's jitter "
+             f"{a.get('jitter_ms', 0):g} ms, {a.get('seconds')} s measured per contender.\n\n"
+             f"![fill rate against concurrency](img/fill.png)\n\n{markdown(results)}\n\n{END}")
     with open(path) as f:
         text = f.read()
     if BEGIN in text and END in text:
         text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
     else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
+        text = text.rstrip("\n") + "\n\n" + block + "\n"  # the first run: at the end
     with open(path, "w") as f:
         f.write(text)
+
+
+def plot(results: dict, path: str) -> None:
+    """Fill rate against concurrency, one panel per window size, a line per latency and worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({run["window_bytes"] for run in results["runs"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for run in (r for r in results["runs"] if r["window_bytes"] == size):
+            lat = run["latency_ms"]
+            for workers in sorted({int(n.split("_")[1][:-1]) for n in run["contenders"] if n.startswith("pool_")}):
+                points = sorted((int(n.rsplit("_c", 1)[1]), c["MBps"]) for n, c in run["contenders"].items()
+                                if n.startswith(f"pool_{workers}w_"))
+                ax.plot(*zip(*points), marker="o", label=f"{lat:g} ms, {workers} worker{'s' * (workers > 1)}")
+            ax.axhline(run["contenders"]["plain_32_threads"]["MBps"], linestyle="--", linewidth=1,
+                       label=f"{lat:g} ms, plain 32 threads")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (samples in flight per sampler process)")
+        ax.set_ylabel("published MB/s")
+        ax.set_title(f"{size >> 10} KiB windows")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _ints(text: str) -> list[int]:
