@@ -24,10 +24,11 @@ from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, delive
 from growcache.adapters.tfrecord_frames import tfrecord_frames
 from growcache.batching import growcache_frames
 from growcache.cache import Cache
-from growcache.epoch import Epoch, EpochBookkeeping, EpochOptions, Epochs
+from growcache.epoch import Epoch, EpochOptions, Epochs
 from growcache.errors import ForeignLoaderError
 from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
+from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, keep_pin, pin_epoch
 from growcache.transport import COPY_BELOW, SlotHandle
 from growcache.worker_feed import WorkerFeed
 
@@ -101,17 +102,18 @@ def _all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
-class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
+class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
     """A ``DataLoader`` whose every ``iter()`` is one epoch on a fresh cache snapshot.
 
     Build it with :func:`make_torch_loader`. Its ``epochs``, ``last_epoch`` (set by each
     ``iter()``), ``epoch``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``skipped`` and
-    ``last_plan`` are the core's :class:`~growcache.epoch.EpochBookkeeping`; ``stats()``, the core's
+    ``last_plan`` are the core's :class:`~growcache.resume.ResumableLoader`; ``stats()``, the core's
     :class:`~growcache.metrics.MeteredLoader`.
     """
 
     def __init__(self, epochs: Epochs, stream: _CacheStream, *, copy: bool, slots: int,
-                 delivery: CudaDelivery | None = None, **kwargs: Any) -> None:
+                 delivery: CudaDelivery | None = None, resume_ttl: float = DEFAULT_RESUME_TTL,
+                 **kwargs: Any) -> None:
         self._epoch_sampler = _EpochSampler(self)
         super().__init__(stream, batch_size=None, collate_fn=_to_transport, **kwargs)
         self.epochs = epochs
@@ -119,6 +121,7 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         self._copy = copy
         self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
+        self._resume_ttl = resume_ttl
         self._prefetch_factor = self.prefetch_factor
         self._closed = False
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
@@ -145,7 +148,8 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
 
     def close(self) -> None:
         """Wait for every copy from a slab, unregister the slabs, stop the workers, end the
-        epoch and remove the slabs' names. Idempotent; garbage collection does the same."""
+        epoch and remove the slabs' names. Idempotent; garbage collection does the same. The pin of
+        an epoch left unfinished stays until its ``resume_ttl`` expiry, for a resume from its state."""
         if self._closed:
             return
         self._closed = True
@@ -154,6 +158,8 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         if self._iterator is not None:  # persistent workers
             self._iterator._shutdown_workers()
             self._iterator = None
+        if self.last_epoch is not None and not self.last_epoch.ended:
+            keep_pin(self.last_epoch)  # a state saved in it may be resumed
         self.epochs.end_all()
         self._stream.feed.close()
 
@@ -192,6 +198,7 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         self.last_epoch, iterator = self._stream.feed.start_epoch(
             self.epochs, self._start_workers, slots=self._slots, start_method=method,
             registered=self._delivery is not None)
+        pin_epoch(self.last_epoch, self._resume_ttl)  # a killed run's state still finds its snapshot
         self._meter.begin(self.last_epoch, began)
         return self._deliver(self.last_epoch, iterator)
 
@@ -207,12 +214,17 @@ class GrowcacheLoader(EpochBookkeeping, MeteredLoader, DataLoader):
         finished = False
         batches = self._host_batches(iterator)
         try:
-            yield from self._meter.timed(batches if self._delivery is None else self._delivery.batches(batches), epoch)
+            for batch in self._meter.timed(batches if self._delivery is None else self._delivery.batches(batches),
+                                           epoch):
+                epoch.consumed += 1  # what state_dict() counts: handed to the loop, not prefetched
+                yield batch
             finished = True
         finally:
             batches = None  # with its generators goes their reference to `iterator`
             if finished or not (self.persistent_workers and self.num_workers):
                 del iterator  # non-persistent workers shut down with their iterator
+                if not finished:
+                    keep_pin(epoch)  # a state saved in it may be resumed
                 epoch.end()
             # Otherwise persistent workers read on until the next iter() resets them; it ends the epoch.
 
@@ -255,6 +267,7 @@ def make_torch_loader(
     generator: torch.Generator | None = None,
     pin_memory_device: str = "",
     in_order: bool = True,
+    resume_ttl: float = DEFAULT_RESUME_TTL,
     **refused: Any,
 ) -> GrowcacheLoader:
     """A ``DataLoader`` over a growing cache: each ``iter()`` is one epoch on a fresh snapshot.
@@ -286,6 +299,10 @@ def make_torch_loader(
         worker_init_fn, timeout, generator, pin_memory_device, in_order: as in ``DataLoader``
             (``generator`` seeds the workers' torch RNG; growcache's order comes from ``seed``;
             ``in_order`` needs torch 2.6 or later). Defaults: ``DataLoader``'s.
+        resume_ttl: seconds each epoch's snapshot stays pinned in the cache from the epoch's
+            start, so that ``loader.load_state_dict(state)`` after a kill finds it (the epoch's
+            end releases the pin earlier); ``0`` pins nothing. See :mod:`growcache.resume`.
+            Default: ``43200`` (12 hours).
 
     The epoch arguments (``shuffle_buffer``, ``seed``, ``drop_last``, ``even_batches``,
     ``verify``, ``on_corrupt`` into ``loader.skipped``, ``wait_for_shards``, ``split``,
@@ -312,6 +329,8 @@ def make_torch_loader(
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if isinstance(resume_ttl, bool) or not isinstance(resume_ttl, (int, float)) or not 0 <= resume_ttl <= 10**9:
+        raise ValueError(f"resume_ttl must be seconds >= 0, got {resume_ttl!r}")
     passed = {"worker_init_fn": worker_init_fn, "timeout": timeout, "generator": generator,
               "pin_memory_device": pin_memory_device, "in_order": in_order}
     if "in_order" not in inspect.signature(DataLoader.__init__).parameters:
@@ -330,7 +349,7 @@ def make_torch_loader(
     stream = _CacheStream(epochs.reader, reader, WorkerFeed(mp, num_workers))
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers else {}
     return GrowcacheLoader(
-        epochs, stream, copy=copy, delivery=delivery,
+        epochs, stream, copy=copy, delivery=delivery, resume_ttl=float(resume_ttl),
         # In flight to the trainer, one held by it, and one shuffle window being filled.
         slots=prefetch_factor + 1 + epochs.reader.window_batches + (EXTRA_SLOTS if delivery else 0),
         num_workers=num_workers, persistent_workers=persistent_workers,

@@ -85,6 +85,12 @@ class ReaderShare:
         cycle: indices to cycle through if the shards run out before ``quota``
             (a top up); empty for none.
         shuffle_seed: seed of the record shuffle buffer for this reader and epoch.
+        skip_batches: batches of this share already delivered before a resume
+            (:mod:`growcache.resume`): the whole shuffle windows they fill are passed over
+            without reading their payloads (whole shards not even opened), the window they end
+            in is read again and its delivered batches dropped. Default: ``0``.
+        gone: indices of snapshot shards no longer in the cache (a resume with
+            ``on_missing="skip"``): passed over like a corrupt shard. Default: none.
     """
 
     paths: np.ndarray
@@ -93,6 +99,8 @@ class ReaderShare:
     quota: int = -1
     cycle: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     shuffle_seed: int = 0
+    skip_batches: int = 0
+    gone: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     def shard_paths(self) -> np.ndarray:
         """Paths of the shards this reader reads, in order (``np.bytes_``)."""
@@ -194,6 +202,30 @@ class BatchReader:
                 return
             yield from cycle
 
+    def _resume_point(self, share: ReaderShare, quota: int, rng: np.random.Generator) -> tuple[int, int]:
+        """Where a resumed share starts: ``(records to pass over, batches of the next window to drop)``.
+
+        Whole windows already delivered are passed over by their record counts, with the
+        shuffle's draws for them, so the windows after come out as in the uninterrupted run.
+        """
+        skip_windows, drop = divmod(max(int(share.skip_batches), 0), self.window_batches)
+        rows = self.window_batches * self.batch_size
+        if self.window_batches > 1:
+            for _ in range(min(skip_windows, -(-quota // rows))):  # bounded: a state is untrusted
+                rng.permutation(rows)
+        return skip_windows * rows, drop
+
+    def _gone(self, share: ReaderShare, index: int, corrupt: set[int]) -> Skipped:
+        """Pass over shard ``index``, gone from the cache before a resume, as a corrupt one.
+
+        If the window a resume re-reads is still open, it cannot be rebuilt as it was without the
+        shard's records: the caller delivers it whole (at most one window of records again)
+        rather than drop batches that would now hold records never delivered."""
+        corrupt.add(index)
+        records = int(share.records[index])
+        self.records_skipped += records
+        return Skipped(os.fsdecode(share.paths[index]), 0, "gone from the cache before the resume", records)
+
     def _skip(self, exc: CorruptShardError, share: ReaderShare, index: int, got: int, corrupt: set[int]) -> Skipped:
         """Handle ``on_corrupt`` for shard ``index`` after ``got`` of its records: raise, or
         note it as never to be read again by this share and return its :class:`Skipped`."""
@@ -232,6 +264,8 @@ class BatchReader:
         targets = sequential
         window: list[tuple[object, dict[str, np.ndarray], list[np.ndarray]] | None] = []
         placed = 0
+        to_skip, drop = self._resume_point(share, quota, rng)
+        gone = {int(i) for i in share.gone}
 
         def rows_of(number: int) -> list[np.ndarray]:
             entry = window[number]
@@ -243,6 +277,7 @@ class BatchReader:
             return entry[2]
 
         def close_window(filled: int) -> Iterator[tuple[object, dict[str, np.ndarray], int]]:
+            nonlocal drop
             if filled < window_rows and targets is not sequential:
                 # A last, partial window: move the records that landed at or past ``filled``
                 # into the holes below it, so the batches come out dense.
@@ -258,20 +293,36 @@ class BatchReader:
                 if entry is None:
                     continue
                 rows = min(batch_size, filled - number * batch_size)
-                if rows == batch_size or (rows > 0 and not self.drop_last):
+                if number < drop:  # delivered before a resume: read again only to place the rest
+                    if release is not None:
+                        release(entry[0])
+                elif rows == batch_size or (rows > 0 and not self.drop_last):
                     self.decoder.finish(entry[1], entry[2], rows)
                     yield entry[0], entry[1], rows
                 elif release is not None:
                     release(entry[0])  # allocated, then emptied by the compaction or drop_last
             window.clear()
+            drop = 0
 
         for index in self._shard_order(share, corrupt):
             if remaining <= 0:
                 break
+            if to_skip and int(share.records[index]) <= to_skip:  # delivered whole before a resume
+                to_skip -= int(share.records[index])
+                remaining -= int(share.records[index])
+                continue
+            if index in gone:
+                drop, remaining, to_skip = 0, remaining - to_skip, 0  # see _gone
+                yield self._gone(share, index, corrupt)
+                continue
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
                 for _, record in count_checked(path, self.frames(path, self.verify)):
+                    if to_skip:  # the start of a shard delivered before a resume: framed, not decoded
+                        to_skip -= 1
+                        remaining -= 1
+                        continue
                     got += 1
                     remaining -= 1
                     if not window:

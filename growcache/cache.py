@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,6 +71,12 @@ class CacheStats:
     newest_publish_time: float | None
     irregular: tuple[str, ...] = ()
     """Entries of ``shards/`` and ``leases/`` that are not regular files; ignored, to be removed by hand."""
+    pins: int = 0
+    """Live resume pins (:meth:`Cache.pin`); ``leases``, ``leased_shards`` and ``leased_bytes`` count
+    the leases of running processes only."""
+    pinned_shards: int = 0
+    pinned_bytes: int = 0
+    """Shards and bytes the live pins hold (whether or not a running lease holds them too)."""
 
     @property
     def budget_use(self) -> float:
@@ -198,6 +205,10 @@ class Cache:
                 "given. Open it without schema= to use the stored one, or use another cache directory."
             )
         new = dict(metadata)
+        if "cache_id" not in new and not self._read_only:
+            # A resume state names its cache by this id: a cache re-created at the same path
+            # reuses shard names and sizes. Caches made before ids get one at their first writable open.
+            new["cache_id"] = uuid.uuid4().hex
         if requested_schema is not None:
             new["schema"] = requested_schema.to_dict()
         if requested_capacity is not None:
@@ -207,6 +218,8 @@ class Cache:
             self._manifest.write_metadata(new)
         self.schema: Schema | None = requested_schema or stored_schema
         self.capacity: int = int(new["capacity"])
+        #: The id stored in ``growcache.json`` (``None``: an old cache opened read-only).
+        self.cache_id: str | None = new.get("cache_id")
         if not self._read_only:
             self._remove_stale()
 
@@ -318,6 +331,37 @@ class Cache:
                 raise_if_disk_full(exc, self.path, "writing a snapshot's lease; no shard was leased")
                 raise
         return Snapshot(shards, lease, on_close=self._trim_after_lease)
+
+    def pin(self, seqs: Iterable[int], *, until: float, holder: str = "", run: str = "", name: str | None = None) -> str:
+        """Pin shards ``seqs`` until the absolute time ``until`` (seconds since 1970), beyond this
+        process's life: a resume pin (:mod:`growcache.resume`). Eviction respects it like a lease.
+
+        Args:
+            name: a pin of this cache to rewrite (to hold fewer shards). Default: a new pin.
+
+        Returns:
+            The pin's name (a file in ``leases/``).
+        """
+        with self._locked():
+            return self._manifest.write_pin(seqs, holder=holder, run=run, until=until, name=name)
+
+    def unpin(self, name: str) -> bool:
+        """Release the pin ``name`` (shards only it kept beyond the budget go now); whether it was there."""
+        with self._locked():
+            gone = self._manifest.release_pin(name)
+        self._trim_after_lease()
+        return gone
+
+    def pins(self) -> list[dict[str, Any]]:
+        """Live resume pins: each lease file's fields (``holder``, ``run``, ``until``, ``seqs``), and
+        its ``name``."""
+        return [dict(lease, name=os.path.basename(lease["path"])) for lease in self._manifest.live_leases()
+                if "until" in lease]
+
+    def read_pin(self, name: str) -> dict[str, Any] | None:
+        """The pin ``name`` if it is there and unexpired, else ``None``."""
+        pin = self._manifest.read_pin(name)
+        return pin if pin is not None and pin["until"] > time.time() else None
 
     def _trim_after_lease(self) -> None:
         """A lease just ended: shards it kept beyond the budget go now, not at the next publish.
@@ -669,9 +713,12 @@ class Cache:
         listing = scan_shards(self.shards_dir)
         shards = listing.shards
         state = self._manifest.read_state()
-        leases = self._manifest.live_leases()
+        everything = self._manifest.live_leases()
+        leases = [lease for lease in everything if "until" not in lease]
         leased = {seq for lease in leases for seq in lease.get("seqs", ())}
         held = [s for s in shards if s.seq in leased]
+        pinned = {seq for lease in everything if "until" in lease for seq in lease["seqs"]}
+        kept = [s for s in shards if s.seq in pinned]
         times = []
         for shard in (shards[:1] + shards[-1:]) if shards else []:
             try:
@@ -695,6 +742,9 @@ class Cache:
             oldest_publish_time=times[0] if times else None,
             newest_publish_time=times[-1] if times else None,
             irregular=tuple(listing.irregular + self._manifest.irregular_leases()),
+            pins=len(everything) - len(leases),
+            pinned_shards=len(kept),
+            pinned_bytes=sum(s.nbytes for s in kept),
         )
 
     def verify(self, *, remove_corrupt: bool = False, progress: Callable[[ShardInfo], None] | None = None) -> VerifyReport:

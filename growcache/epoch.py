@@ -26,8 +26,8 @@ is not framework wiring happens here:
    :data:`DEFAULT_ON_CORRUPT`, :data:`DEFAULT_SPLIT`, and a shuffle buffer of about 32 MiB
    (:func:`growcache.batching.default_shuffle_buffer`).
 
-What trainers ask of a loader about its epochs (``set_epoch``, ``state_dict``) is
-:class:`EpochBookkeeping`. How each epoch's shares reach the readers is
+What trainers ask of a loader about its epochs (``set_epoch``) is :class:`EpochBookkeeping`; its
+``state_dict`` and exact mid-epoch resume, :mod:`growcache.resume`. How each epoch's shares reach the readers is
 :mod:`growcache.worker_feed` (reader processes) and :mod:`growcache.pull_feed` (a framework
 that pulls from its own threads).
 """
@@ -395,6 +395,8 @@ class Epochs:
         self.epoch = 0
         self.skipped: list[Skipped] = []
         self.latest: Epoch | None = None
+        #: A :class:`growcache.resume.Resume` the next :meth:`start` of its epoch finishes.
+        self.resume: Any = None
         self._noted_epoch: int | None = None  # the epoch whose notes _noted holds
         self._noted: set[tuple[str, int, str]] = set()
         self._world = world
@@ -488,6 +490,11 @@ class Epochs:
         """
         group = self.group
         number = _pinned if _pinned is not None else self.epoch
+        resume, self.resume = self.resume, None
+        if resume is not None and _pinned is None and resume.epoch == number:
+            return resume.start(self)  # the one start that takes no fresh snapshot (growcache.resume)
+        if resume is not None:
+            resume.abandon()
         if _pinned is not None:
             with self._lock:
                 joined = next((e for e in self._open.values() if e.number == number), None)
@@ -731,6 +738,11 @@ class Epoch:
     snapshot: Snapshot
     plan: EpochPlan
     _agreement: Any = None
+    #: Batches the training loop took from this epoch since its start (a resumed epoch starts
+    #: at the saved count); adapters count them as they hand them over.
+    consumed: int = 0
+    #: The epoch's :class:`growcache.resume.Pin` (durable lease), released at its end.
+    pin: Any = None
     _ended: bool = field(default=False, repr=False)
     _readers: int = field(default=1, repr=False)  # see Epochs.leave
     _finished: bool = field(default=False, repr=False)
@@ -786,6 +798,8 @@ class Epoch:
                 return
             self._ended = True
             self.epochs._open.pop(self.token, None)
+        if self.pin is not None:
+            self.pin.release()
         agreement = self._agreement
         if agreement is not None and agreement.took:
             agreement.release(self.snapshot.close)
@@ -819,17 +833,6 @@ class EpochBookkeeping:
         the one being read now, the next is ``epoch + 1``. Lightning calls it through
         ``loader.sampler`` at the start of every epoch."""
         self.epochs.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, int]:
-        """The epoch to resume at, for trainers that checkpoint loaders (Lightning, torchdata's
-        ``Stateful``): the epoch being read (a run resumed mid-epoch reads it again, whole), else
-        the next one."""
-        latest = self.last_epoch
-        return {"epoch": latest.number if latest is not None and not latest.ended else self.epochs.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state["epoch"]`` (from :meth:`state_dict`)."""
-        self.epochs.epoch = int(state["epoch"])
 
     @property
     def skipped(self) -> list[Skipped]:

@@ -18,6 +18,7 @@ __all__ = [
     "ForeignLoaderError",
     "GrowcacheError",
     "MissingExtraError",
+    "MissingShardsError",
     "RefusedFileError",
     "SamplerError",
     "SchemaError",
@@ -112,6 +113,19 @@ class DeviceError(GrowcacheError, RuntimeError):
 class CompressedFileError(GrowcacheError, ValueError):
     """A GZIP- or ZLIB-compressed TFRecord file was given where a cache needs a plain one
     (``growcache import`` decompresses it)."""
+
+
+class MissingShardsError(GrowcacheError, ValueError):
+    """A resume state names shards that are gone from the cache (another machine's cache, a wiped
+    disk, an expired pin). ``names`` and ``records`` say what; ``on_missing="skip"`` goes on without them."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = (), records: int = 0) -> None:
+        super().__init__(message)
+        self.names = names
+        self.records = records
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (str(self), self.names, self.records))
 
 
 class EpochSyncError(GrowcacheError, RuntimeError):

@@ -264,6 +264,11 @@ class Manifest:
                 f"{path}: field 'created' is {created!r}, not a time. Restore the file, or set the field to a number "
                 "of seconds since 1970 (it is only informative)."
             )
+        cache_id = data.get("cache_id")
+        if cache_id is not None and not (isinstance(cache_id, str) and CACHE_ID.match(cache_id)):
+            raise CacheFormatError(
+                f"{path}: field 'cache_id' is {cache_id!r}, not 32 hexadecimal digits. Restore the file, or delete the "
+                "field: the next writable open stores a new id (resume states saved before then are refused).")
         schema = data.get("schema")
         if schema is not None:
             from .schema import Schema  # the schema module validates its own dicts
@@ -443,17 +448,60 @@ class Manifest:
             if lease is None:
                 continue
             host = lease.get("host")
-            if _proc.is_alive(lease["pid"], lease["start_time"], host, heartbeat, lease.get("expiry")):
+            if "until" in lease:  # a resume pin outlives its writer, up to its absolute expiry
+                alive = time.time() < lease["until"]
+            else:
+                alive = _proc.is_alive(lease["pid"], lease["start_time"], host, heartbeat, lease.get("expiry"))
+            if alive:
                 lease["path"] = path
                 leases.append(lease)
             elif remove_dead:
-                if host not in (None, _proc.this_host()):
+                if "until" in lease:
+                    logger.info("resume pin %s (holder %r, run %r) expired: its shards may be evicted", path,
+                                lease.get("holder", ""), lease.get("run", ""))
+                elif host not in (None, _proc.this_host()):
                     logger.warning("lease %s (holder %r) of another machine or an earlier hostname had no heartbeat "
                                    "for %.0f s (expiry %g s): its holder is judged dead and the lease removed",
                                    path, lease.get("holder", ""), time.time() - heartbeat,
                                    lease.get("expiry") or _proc.owner_expiry())
                 _unlink_quiet(path)
         return leases
+
+    def write_pin(self, seqs: Iterable[int], *, holder: str, run: str, until: float, name: str | None = None) -> str:
+        """Record a resume pin on ``seqs`` (see :mod:`growcache.resume`) and return its file name.
+
+        A pin is a lease that no process keeps alive: it lives until the absolute time ``until``
+        (seconds since 1970), or until :meth:`release_pin`. ``name`` rewrites an existing pin
+        (its shards shrink as an epoch goes on); assumes you hold the lock.
+        """
+        self.check_layout()
+        if name is None:
+            name = f"pin-{uuid.uuid4().hex}.json"
+        elif not PIN_NAME.match(name):
+            raise ValueError(f"{name!r} is not the name of a resume pin")
+        pid, start = _proc.this_process()
+        body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
+                "holder": holder, "run": run, "seqs": sorted(seqs), "until": float(until)}
+        atomic_write_bytes(os.path.join(self.leases_dir, name), _dumps(body), self.file_mode)
+        return name
+
+    def read_pin(self, name: str) -> dict[str, Any] | None:
+        """The pin named ``name``, checked as every lease is; ``None`` if it is gone or damaged."""
+        if not PIN_NAME.match(name):
+            raise ValueError(f"{name!r} is not the name of a resume pin")
+        try:
+            lease, _ = self._read_lease(os.path.join(self.leases_dir, name))
+        except CacheFormatError as exc:
+            logger.warning("%s; the pin is treated as expired", exc)
+            return None
+        return lease if lease is not None and "until" in lease else None
+
+    def release_pin(self, name: str) -> bool:
+        """Delete the pin named ``name``; whether it was there. Never through a linked ``leases/``."""
+        if not PIN_NAME.match(name):
+            raise ValueError(f"{name!r} is not the name of a resume pin")
+        self.check_layout()
+        return _unlink_quiet(os.path.join(self.leases_dir, name))
 
     def irregular_leases(self) -> list[str]:
         """Entries of ``leases/`` that are not regular files (directories, links): ignored, reported."""
@@ -476,6 +524,12 @@ class Manifest:
             return self._read_json(path)
         except CacheFormatError:
             return None
+
+
+#: A cache's id in ``growcache.json`` (a uuid4's hex digits).
+CACHE_ID = re.compile(r"^[0-9a-f]{32}$")
+#: File names of resume pins in ``leases/`` (:meth:`Manifest.write_pin`).
+PIN_NAME = re.compile(r"^pin-[0-9a-f]{32}\.json$")
 
 
 def read_state_file(path: str, label: str) -> tuple[dict[str, Any], float] | None:
@@ -542,6 +596,11 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
         problem = f"its holder is {lease['holder']!r}, not a string"
     elif not isinstance(lease.get("created", 0), (int, float)) or isinstance(lease.get("created"), bool):
         problem = f"its created is {lease['created']!r}, not a time"
+    elif "until" in lease and not (isinstance(lease["until"], (int, float)) and not isinstance(lease["until"], bool)
+                                   and 0 < lease["until"] < 1e11):
+        problem = f"its until is {lease['until']!r}, not a time"
+    elif not isinstance(lease.get("run", ""), str) or len(lease.get("run", "")) > 1024:
+        problem = "its run is not a string of at most 1024 characters"
     elif expiry is not None and _proc.stored_expiry(expiry) is None:
         problem = (f"its expiry is {expiry!r}, not a number of seconds between {_proc.MIN_OWNER_EXPIRY_S:g} and "
                    f"{_proc.MAX_OWNER_EXPIRY_S:g}")

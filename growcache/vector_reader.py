@@ -369,6 +369,7 @@ class _Window:
         self.entries: list[tuple[object, dict[str, np.ndarray], list[np.ndarray]] | None] = []
         self.targets: np.ndarray | None = None  # None: sequential
         self.placed = 0
+        self.drop = 0  # batches of the next window delivered before a resume (released, not yielded)
         # Per feature, the window's batches as one (batches, batch_size, nbytes) array, when
         # their memory allows it, and where each batch sits in it: one scatter per feature.
         self.spans: list[tuple[np.ndarray, np.ndarray] | None] = []
@@ -527,11 +528,12 @@ class _Window:
             if entry is None:
                 continue
             rows = min(size, filled - number * size)
-            if rows == size or (rows > 0 and not self.drop_last):
+            if number >= self.drop and (rows == size or (rows > 0 and not self.drop_last)):
                 self.decoder.finish(entry[1], entry[2], rows)
                 yield entry[0], entry[1], rows
             elif self.release is not None:
-                self.release(entry[0])  # allocated, then emptied by the compaction or drop_last
+                self.release(entry[0])  # emptied by the compaction or drop_last, or delivered before a resume
+        self.drop = 0
         self.entries = []
         self.flats = []
 
@@ -573,23 +575,35 @@ class VectorReader(BatchReader):
         buffer = _aligned(_SCRATCH_BYTES) if self.fused else _Shard.buffer(self._fixed)
         crc = self._fixed.record_crc(self.release_gil) if self.verify else None
         remaining = share.quota if share.quota >= 0 else int(share.records[share.shards].sum())
+        to_skip, window.drop = self._resume_point(share, remaining, rng)
+        gone = {int(i) for i in share.gone}
         corrupt: set[int] = set()
         for index in self._shard_order(share, corrupt):
             if remaining <= 0:
                 break
+            records = int(share.records[index])
+            if to_skip >= records:  # delivered whole before a resume: not opened
+                to_skip -= records
+                remaining -= records
+                continue
+            if index in gone:
+                window.drop, remaining, to_skip = 0, remaining - to_skip, 0  # see BatchReader._gone
+                yield self._gone(share, index, corrupt)
+                continue
             path = os.fsdecode(share.paths[index])
-            got = 0
+            got, start, to_skip = 0, to_skip, 0
+            remaining -= start
             try:
-                for item in self._read_shard(path, window, remaining, buffer, crc):
+                for item in self._read_shard(path, window, remaining, buffer, crc, start):
                     if isinstance(item, int):
                         got += item
                         remaining -= item
                     else:
                         yield item
             except CorruptShardError as exc:
-                yield self._skip(exc, share, index, got, corrupt)
+                yield self._skip(exc, share, index, start + got, corrupt)
             except SchemaError as exc:  # a shard of another schema among the cache's: a corrupt one
-                yield self._skip(other_schema(path, exc), share, index, got, corrupt)
+                yield self._skip(other_schema(path, exc), share, index, start + got, corrupt)
             self.records_read += got
         if window.entries:
             yield from window.close()
@@ -619,15 +633,17 @@ class VectorReader(BatchReader):
         return good, None
 
     def _read_shard(self, path: str, window: _Window, remaining: int, buffer: tuple[np.ndarray, memoryview],
-                    crc: Callable[[Any], int] | None) -> Iterator[int | Batch]:
-        """Place up to ``remaining`` records of one shard, checking CRCs with ``crc`` (``None``:
-        not); yield the counts placed, and the batches of every window that fills. Raises
+                    crc: Callable[[Any], int] | None, start: int = 0) -> Iterator[int | Batch]:
+        """Place up to ``remaining`` records of one shard from record ``start`` on (a resume: a
+        fixed-layout shard seeks there, another frames the records before it without decoding them),
+        checking CRCs with ``crc`` (``None``: not); yield the counts placed, and the batches of
+        every window that fills. Raises
         :class:`CorruptShardError` where the record-by-record reader would, after placing the
         same records before it."""
         fixed = self._fixed
         piece = fixed.fused_piece if self.fused else fixed.piece
         shard = _Shard.open(path, fixed, buffer)
-        done = 0
+        done = start
         if shard is not None:
             try:
                 while done < shard.records and remaining > 0:

@@ -1,0 +1,458 @@
+"""Exact mid-epoch resume: the state a loader saves, its checks, and the pin that keeps its snapshot.
+
+A growing cache changes by design, so a checkpoint names the epoch's snapshot itself (shard
+names, sizes, record counts), not only counters, and keeps that snapshot readable until the
+resume:
+
+* **The state** (:func:`loader_state`) is a small, versioned, JSON-serializable dict: the epoch
+  and seed, the cache's id (``growcache.json``'s ``cache_id``), the epoch's snapshot and the
+  shards skipped as corrupt, the plan's parameters, the batches the training loop consumed
+  (batches prefetched by readers do not count), and the epoch's pin.
+* **The pin.** At each epoch's start the adapter pins the snapshot (:func:`pin_epoch`): a
+  lease file in ``leases/`` that no process keeps alive, with an absolute expiry
+  (``resume_ttl``, default :data:`DEFAULT_RESUME_TTL`). It outlives a killed process, so the
+  shards the state names are still there at the resume; eviction respects it like any
+  lease, ``growcache status`` shows it and ``growcache prune --pins`` drops expired or named
+  ones. The epoch's end releases it, and so does the end of the resumed epoch that adopted it.
+* **The resume** (:func:`load_state`, then the next :meth:`~growcache.epoch.Epochs.start` of
+  the saved epoch): the saved snapshot is leased again and planned with the saved parameters,
+  which gives the same plan; each reader skips the batches it had delivered (whole shuffle
+  windows by record counts, without reading their payloads; it re-reads at most the one
+  window the save fell in), and readers are rotated so that a round-robin consumer (a
+  ``DataLoader``'s workers) delivers the rest in the uninterrupted run's order. It is the one
+  start that takes no fresh snapshot; the next epoch takes one as usual.
+
+Every field of a loaded state is checked (type, range, the cache's id); a damaged or hostile
+dict gets a ``ValueError`` naming the field. The state of older growcache, ``{"epoch": N}``,
+still loads (it resumes at the start of epoch ``N``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .batching import ReaderShare
+from .cache import Cache
+from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, run_id
+from .errors import EpochSyncError, MissingShardsError
+from .manifest import CACHE_ID, PIN_NAME
+from .planning import plan_epoch
+from .rendezvous import EpochShards
+from .shard import ShardInfo
+
+__all__ = [
+    "DEFAULT_RESUME_TTL",
+    "ON_MISSING",
+    "STATE_VERSION",
+    "Pin",
+    "Resume",
+    "ResumableLoader",
+    "check_state",
+    "keep_pin",
+    "load_state",
+    "loader_state",
+    "pin_epoch",
+    "split_progress",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The version of the state dict :func:`loader_state` writes.
+STATE_VERSION = 1
+#: Seconds an epoch's pin keeps its snapshot after the epoch's start when nobody releases it
+#: (a killed run): 12 hours, long enough for a preempted job to be rescheduled overnight,
+#: short enough that an abandoned run's shards do not hold the disk for days.
+DEFAULT_RESUME_TTL = 12 * 3600.0
+ON_MISSING = ("raise", "skip")
+_FORMAT = "growcache-loader"
+_KEYS = {"format", "version", "epoch", "seed", "cache_id", "plan", "snapshot", "progress", "pin"}
+_PLAN_KEYS = {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "workers": 1, "batch_size": 1,
+              "shuffle_buffer": 0}
+_PLAN_FLAGS = ("even_batches", "drop_last")
+_MAX_INT = 2**62
+_MAX_SHARDS = 10**7
+
+
+# -- the pin ------------------------------------------------------------------------------------
+@dataclass
+class Pin:
+    """An epoch's durable lease: a pin of its snapshot in ``cache``, named ``name``, until ``until``."""
+
+    cache: Cache
+    name: str
+    until: float
+
+    def release(self) -> None:
+        """Release the pin (idempotent); a failure to is logged, never raised (the pin expires)."""
+        try:
+            self.cache.unpin(self.name)
+        except OSError as exc:
+            logger.warning("could not release resume pin %s of cache %s (%s); it expires at %s", self.name,
+                           self.cache.path, exc, time.ctime(self.until))
+
+
+def pin_epoch(epoch: Epoch, ttl: float) -> None:
+    """Pin ``epoch``'s snapshot for ``ttl`` seconds from now (``0``: no pin), as :attr:`Epoch.pin`.
+
+    A failure to write the pin (a full disk, a read-only cache) is logged: the epoch reads on,
+    only its resume after a kill is not protected from eviction.
+    """
+    epochs = epoch.epochs
+    for kept in epochs.__dict__.pop("_kept_pins", []):
+        if kept is not epoch.pin:  # the run went on to another epoch: states naming those are stale
+            kept.release()
+    if ttl <= 0 or epoch.pin is not None or not len(epoch.snapshot):
+        return
+    until = time.time() + ttl
+    try:
+        name = epochs.cache.pin([s.seq for s in epoch.snapshot.shards], until=until,
+                                holder=f"{epochs._holder or 'loader'} epoch {epoch.number}",
+                                run=run_id(epochs.options.run_id))
+    except OSError as exc:
+        logger.warning("could not pin epoch %d's snapshot in cache %s for a resume (%s): a resume after a kill "
+                       "may find shards evicted", epoch.number, epochs.cache.path, exc)
+        return
+    epoch.pin = Pin(epochs.cache, name, until)
+
+
+def keep_pin(epoch: Epoch) -> None:
+    """``epoch`` ends unfinished (its iterator abandoned, its loader closed, its process leaving):
+    its pin outlives it, for a resume from a state saved in it, until the next epoch of the same
+    loader starts (:func:`pin_epoch`), an adopting resume ends, or its expiry."""
+    if epoch.pin is not None:
+        epoch.epochs.__dict__.setdefault("_kept_pins", []).append(epoch.pin)
+        epoch.pin = None
+
+
+# -- the state ----------------------------------------------------------------------------------
+def _plan_params(epochs: Epochs) -> dict[str, Any]:
+    group, options = epochs.group, epochs.options
+    return {"world_size": group.world_size, "rank": group.world_rank, "group_size": group.size,
+            "group_rank": group.rank, "split": options.split, "even_batches": bool(options.even_batches),
+            "workers": epochs.readers, "batch_size": int(options.batch_size),
+            "shuffle_buffer": int(epochs.reader.shuffle_buffer), "drop_last": bool(options.drop_last)}
+
+
+def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
+    """The state to resume ``epochs`` from, ``latest`` being the epoch the adapter started last.
+
+    Mid-epoch, it names that epoch's snapshot and progress; between epochs (or once every batch of
+    the epoch was consumed), the next epoch, with ``snapshot`` and ``pin`` ``None``. A state
+    loaded and not yet resumed is given back as it was loaded.
+    """
+    if epochs.resume is not None:
+        return epochs.resume.state
+    state: dict[str, Any] = {"format": _FORMAT, "version": STATE_VERSION, "epoch": int(epochs.epoch),
+                             "seed": int(epochs.options.seed), "cache_id": epochs.cache.cache_id,
+                             "plan": _plan_params(epochs), "snapshot": None, "progress": 0, "pin": None}
+    if latest is None or latest.ended or latest.consumed >= latest.batches():
+        if latest is not None and not latest.ended:
+            state["epoch"] = latest.number + 1
+        return state
+    saved = getattr(latest, "saved_shards", None)
+    shards = saved if saved is not None else [[os.path.basename(s.path), s.nbytes, s.records]
+                                               for s in latest.shards]
+    names = {name for name, _, _ in shards}
+    noted = epochs._noted if epochs._noted_epoch == latest.number else set()
+    skipped = sorted({os.path.basename(path) for path, _, _ in noted} & names)
+    state.update(epoch=latest.number, seed=latest.seed, progress=int(latest.consumed),
+                 snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
+                 pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
+    return state
+
+
+def _int(state: Mapping[str, Any], key: str, low: int, high: int, where: str = "") -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"resume state field '{where}{key}' is {value!r}, not an integer in [{low}, {high}]")
+    return int(value)
+
+
+def check_state(state: Any) -> dict[str, Any]:
+    """A loader state, every field checked; ``{"epoch": N}`` (older growcache) is filled in.
+
+    Returns:
+        The state as :func:`loader_state` writes it (``cache_id``, ``plan`` ``None`` for an old one).
+
+    Raises:
+        ValueError: a field is missing, of the wrong type or out of range (naming it), or the
+            state is of a newer version.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a resume state is a dict (from loader.state_dict()), not a {type(state).__name__}")
+    if set(state) == {"epoch"}:  # growcache before exact resume
+        return {"format": _FORMAT, "version": STATE_VERSION, "epoch": _int(state, "epoch", 0, _MAX_INT),
+                "seed": None, "cache_id": None, "plan": None, "snapshot": None, "progress": 0, "pin": None}
+    unknown = sorted(str(k) for k in set(state) - _KEYS)
+    missing = sorted(_KEYS - set(state))
+    if state.get("format") != _FORMAT:
+        raise ValueError(f"resume state field 'format' is {state.get('format')!r}, not {_FORMAT!r}: this is not a "
+                         "growcache loader's state")
+    version = _int(state, "version", 1, _MAX_INT)
+    if version > STATE_VERSION:
+        raise ValueError(f"resume state field 'version' is {version}, newer than the version {STATE_VERSION} this "
+                         "growcache reads: upgrade growcache to resume from it")
+    if unknown or missing:
+        raise ValueError(f"resume state has unknown fields {unknown} and lacks fields {missing}")
+    out: dict[str, Any] = {"format": _FORMAT, "version": version, "epoch": _int(state, "epoch", 0, _MAX_INT),
+                           "seed": _int(state, "seed", -2**63, 2**64 - 1)}
+    cache_id = state["cache_id"]
+    if cache_id is not None and not (isinstance(cache_id, str) and CACHE_ID.match(cache_id)):
+        raise ValueError(f"resume state field 'cache_id' is {cache_id!r}, not a cache id (32 hexadecimal digits)")
+    out["cache_id"] = cache_id
+    plan = state["plan"]
+    if not isinstance(plan, Mapping) or set(plan) != {*_PLAN_KEYS, *_PLAN_FLAGS, "split"}:
+        raise ValueError(f"resume state field 'plan' is not a dict of {sorted({*_PLAN_KEYS, *_PLAN_FLAGS, 'split'})}")
+    checked = {key: _int(plan, key, low, _MAX_INT, "plan.") for key, low in _PLAN_KEYS.items()}
+    for key in _PLAN_FLAGS:
+        if not isinstance(plan[key], bool):
+            raise ValueError(f"resume state field 'plan.{key}' is {plan[key]!r}, not a bool")
+        checked[key] = plan[key]
+    if plan["split"] not in SPLITS:
+        raise ValueError(f"resume state field 'plan.split' is {plan['split']!r}, not one of {SPLITS}")
+    checked["split"] = plan["split"]
+    if checked["rank"] >= checked["world_size"] or checked["group_rank"] >= checked["group_size"] \
+            or checked["group_size"] > checked["world_size"]:
+        raise ValueError(f"resume state field 'plan' names rank {checked['rank']} of {checked['world_size']} "
+                         f"(group rank {checked['group_rank']} of {checked['group_size']}): no such rank")
+    out["plan"] = checked
+    out["snapshot"] = _check_snapshot(state["snapshot"])
+    out["progress"] = _int(state, "progress", 0, _MAX_INT)
+    if out["snapshot"] is None and out["progress"]:
+        raise ValueError(f"resume state field 'progress' is {out['progress']} without a snapshot")
+    pin = state["pin"]
+    if pin is not None:
+        if not (isinstance(pin, Mapping) and set(pin) == {"name", "until"} and isinstance(pin["name"], str)
+                and PIN_NAME.match(pin["name"]) and isinstance(pin["until"], (int, float))
+                and not isinstance(pin["until"], bool) and math.isfinite(pin["until"])):
+            raise ValueError(f"resume state field 'pin' is {pin!r}, not {{'name': 'pin-<32 hex>.json', 'until': "
+                             "seconds}")
+        pin = {"name": pin["name"], "until": float(pin["until"])}
+    out["pin"] = pin
+    return out
+
+
+def _check_snapshot(snapshot: Any) -> dict[str, Any] | None:
+    if snapshot is None:
+        return None
+    if not (isinstance(snapshot, Mapping) and set(snapshot) == {"shards", "skipped"}
+            and isinstance(snapshot["shards"], list) and isinstance(snapshot["skipped"], list)):
+        raise ValueError("resume state field 'snapshot' is not a dict of a 'shards' and a 'skipped' list")
+    shards = snapshot["shards"]
+    if not 0 < len(shards) <= _MAX_SHARDS:
+        raise ValueError(f"resume state field 'snapshot.shards' lists {len(shards)} shards, not 1 to {_MAX_SHARDS}")
+    out, names = [], set()
+    for i, entry in enumerate(shards):
+        info = ShardInfo.from_path(entry[0]) if isinstance(entry, list) and len(entry) == 3 \
+            and isinstance(entry[0], str) and os.path.basename(entry[0]) == entry[0] else None
+        if info is None or entry[1:] != [info.nbytes, info.records] or entry[0] in names:
+            raise ValueError(f"resume state field 'snapshot.shards[{i}]' is {entry!r}, not a distinct "
+                             "[shard file name, bytes, records] of this name's counts")
+        names.add(entry[0])
+        out.append([entry[0], info.nbytes, info.records])
+    skipped = snapshot["skipped"]
+    if not all(isinstance(name, str) and name in names for name in skipped):
+        raise ValueError("resume state field 'snapshot.skipped' names shards that are not in the snapshot")
+    return {"shards": out, "skipped": sorted(set(skipped))}
+
+
+# -- the resume ---------------------------------------------------------------------------------
+def split_progress(counts: Sequence[int], consumed: int) -> tuple[list[int], int]:
+    """Batches each reader had delivered after ``consumed`` batches taken round-robin (reader 0
+    first, readers that ran out left out: a ``DataLoader``'s order over its workers), and the
+    reader that delivers next (``0`` once all are done)."""
+    counts = [int(c) for c in counts]
+    consumed = min(int(consumed), sum(counts))
+    low, high = 0, max(counts, default=0)
+    while low < high:  # the most whole rounds t with sum(min(c, t)) <= consumed
+        mid = (low + high + 1) // 2
+        if sum(min(c, mid) for c in counts) <= consumed:
+            low = mid
+        else:
+            high = mid - 1
+    done = [min(c, low) for c in counts]
+    left = consumed - sum(done)
+    going = [w for w, c in enumerate(counts) if c > low]
+    for w in going[:left]:
+        done[w] += 1
+    following = going[left] if left < len(going) else 0
+    return done, following
+
+
+@dataclass(eq=False)
+class _ResumedEpoch(Epoch):
+    """An epoch finished from a saved state: the saved snapshot's plan, readers rotated and skipping."""
+
+    saved_shards: list | None = None
+    skips: tuple[int, ...] = ()
+    rotation: int = 0
+    gone: np.ndarray | None = None
+
+    def share(self, reader: int = 0) -> ReaderShare:
+        original = (reader + self.rotation) % self.plan.workers
+        share = super().share(original)
+        share.skip_batches = self.skips[original]
+        if self.gone is not None:
+            share.gone = self.gone
+        return share
+
+
+class Resume:
+    """A checked state waiting for the start of its epoch (:attr:`Epochs.resume`).
+
+    Attributes:
+        state: the checked state, as loaded.
+        epoch: the epoch it finishes.
+    """
+
+    def __init__(self, state: dict[str, Any], pin: Pin | None, gone: set[str]) -> None:
+        self.state = state
+        self.epoch = int(state["epoch"])
+        self._pin = pin
+        self._gone = gone
+
+    def abandon(self) -> None:
+        """Another epoch starts instead (``set_epoch`` to another number): release the adopted pin."""
+        if self._pin is not None:
+            logger.warning("the resume of epoch %d is abandoned (another epoch starts): its pin is released",
+                           self.epoch)
+            self._pin.release()
+            self._pin = None
+
+    def start(self, epochs: Epochs) -> Epoch:
+        """Start the saved epoch again: lease its shards, plan it with the saved parameters."""
+        state, group = self.state, epochs.group
+        _check_layout(epochs, state["plan"])
+        shards = state["snapshot"]["shards"]
+        present_names = {os.path.basename(s.path) for s in epochs.cache.list_shards()}
+        gone = self._gone | {name for name, _, _ in shards if name not in present_names}
+        infos = [ShardInfo.from_path(os.path.join(epochs.cache.shards_dir, name)) for name, _, _ in shards]
+        keep = [info for info in infos if os.path.basename(info.path) not in gone]
+        try:
+            snapshot = epochs.cache.lease([info.seq for info in keep], holder=epochs._holder)
+        except EpochSyncError as exc:
+            raise MissingShardsError(f"shards of the saved epoch {self.epoch} went between load_state_dict and the "
+                                     f"resumed epoch's start: {exc}") from None
+        plan_args = state["plan"]
+        plan = plan_epoch([info.records for info in infos], epoch=self.epoch, seed=state["seed"],
+                          world_size=plan_args["group_size"], num_workers=plan_args["workers"],
+                          batch_size=plan_args["batch_size"], drop_last=plan_args["drop_last"],
+                          even_batches=plan_args["even_batches"])
+        workers = plan.workers
+        counts = [plan.batches(plan.reader(group.rank, w)) for w in range(workers)]
+        skips, following = split_progress(counts, state["progress"])
+        agreed = EpochShards(self.epoch, state["seed"], tuple(i.seq for i in infos),
+                             tuple(os.path.basename(i.path) for i in infos))
+        epoch = _ResumedEpoch(epochs, next(epochs._tokens), agreed, snapshot, plan, None,
+                              consumed=min(state["progress"], sum(counts)), pin=self._pin,
+                              saved_shards=[list(s) for s in shards], skips=tuple(skips), rotation=following,
+                              gone=np.array(sorted(i for i, info in enumerate(infos)
+                                                   if os.path.basename(info.path) in gone), np.int64))
+        epoch._paths = np.array([os.fsencode(info.path) for info in infos], dtype=np.bytes_)
+        epoch._records = np.array([info.records for info in infos], dtype=np.int64)
+        self._pin = None  # the epoch owns it now
+        with epochs._lock:
+            epochs.latest = epoch
+            epochs.epoch = self.epoch + 1
+            epochs._open[epoch.token] = epoch
+        logger.info("resuming epoch %d of cache %s at batch %d of %d (%d shards)", self.epoch, epochs.cache.path,
+                    epoch.consumed, sum(counts), len(infos))
+        return epoch
+
+
+def _check_layout(epochs: Epochs, saved: dict[str, Any]) -> None:
+    now = _plan_params(epochs)
+    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in saved if saved[key] != now[key]]
+    if changed:
+        raise ValueError(
+            f"the saved epoch was planned with another layout ({', '.join(changed)}): its order cannot be kept. "
+            "Build the loader with the saved world size, workers, batch size, shuffle buffer, drop_last, "
+            "even_batches and split to finish it, or load a state saved between epochs")
+
+
+def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None:
+    """Check ``state`` and set ``epochs`` to resume from it (see the module docstring).
+
+    Raises:
+        ValueError: a damaged field (named), another cache's state, or another layout.
+        MissingShardsError: shards of the saved snapshot are gone from the cache, with
+            ``on_missing="raise"``: their names and record count.
+    """
+    if on_missing not in ON_MISSING:
+        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+    checked = check_state(state)
+    cache = epochs.cache
+    previous, epochs.resume = epochs.resume, None
+    if previous is not None:
+        previous.abandon()
+    if checked["cache_id"] is not None and cache.cache_id is not None and checked["cache_id"] != cache.cache_id:
+        raise ValueError(f"resume state field 'cache_id' is {checked['cache_id']}, but cache {cache.path} is "
+                         f"{cache.cache_id}: the state was saved on another cache (or one re-created at this "
+                         "path, whose shard names mean other records)")
+    if checked["seed"] is not None and checked["seed"] != int(epochs.options.seed):
+        raise ValueError(f"resume state field 'seed' is {checked['seed']}, but this loader's seed is "
+                         f"{epochs.options.seed}: build it with seed={checked['seed']}")
+    if checked["snapshot"] is None:
+        epochs.epoch = checked["epoch"]
+        return
+    if checked["cache_id"] is None or cache.cache_id is None:
+        logger.warning("resume state or cache %s has no cache id: the saved shards are matched by name only",
+                       cache.path)
+    _check_layout(epochs, checked["plan"])
+    shards = checked["snapshot"]["shards"]
+    present = {os.path.basename(s.path) for s in cache.list_shards()}
+    skipped = set(checked["snapshot"]["skipped"])
+    lost = [(name, records) for name, _, records in shards if name not in present and name not in skipped]
+    if lost:
+        records = sum(r for _, r in lost)
+        names = ", ".join(name for name, _ in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        message = (f"{len(lost)} shards of the saved epoch {checked['epoch']} ({records} records) are gone from cache "
+                   f"{cache.path}: {names}")
+        if on_missing == "raise":
+            raise MissingShardsError(f"{message}. Their pin expired or they were deleted (another machine's cache, a "
+                                     "wiped disk). Pass on_missing='skip' to finish the epoch without them.",
+                                     tuple(name for name, _ in lost), records)
+        logger.warning("%s: finishing the epoch without them", message)
+    pin = None
+    if checked["pin"] is not None:
+        adopted = cache.read_pin(checked["pin"]["name"])
+        if adopted is None:
+            logger.warning("resume pin %s is gone or expired; the saved epoch's shards are leased when it starts",
+                           checked["pin"]["name"])
+        else:
+            pin = Pin(cache, checked["pin"]["name"], float(adopted["until"]))
+    epochs.epoch = checked["epoch"]
+    epochs.resume = Resume(checked, pin, skipped | {name for name, _ in lost})
+
+
+class ResumableLoader(EpochBookkeeping):
+    """:class:`~growcache.epoch.EpochBookkeeping` with an exact mid-epoch resume, for an adapter
+    object that counts the batches it hands over in :attr:`Epoch.consumed` (the PyTorch loader).
+
+    It follows the ``Stateful`` protocol of torchdata and Lightning (``state_dict`` /
+    ``load_state_dict``).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to resume at: see :func:`loader_state`. JSON-serializable, no pickles; cheap
+        enough to call every few batches (a list of the epoch's shard names)."""
+        return loader_state(self.epochs, self.last_epoch)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, on_missing: str = "raise") -> None:
+        """Resume from ``state``: the next ``iter()`` finishes the saved epoch, batch by batch as
+        the uninterrupted run would have; ``{"epoch": N}`` starts epoch ``N``. See :func:`load_state`.
+
+        Args:
+            state: from :meth:`state_dict`.
+            on_missing: ``"raise"`` a :class:`~growcache.MissingShardsError` when saved shards are
+                gone, or ``"skip"`` them (logged, noted in ``skipped``). Default: ``"raise"``.
+        """
+        load_state(self.epochs, state, on_missing=on_missing)

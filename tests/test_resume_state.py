@@ -1,0 +1,182 @@
+"""The resume state and pins of growcache.resume, without a framework (issue 30): every field of a
+state is checked and a damaged or hostile one is refused naming the field; a cache gets an id; pins
+are leases that outlive their writer until an absolute expiry, checked on read like every lease."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import pytest
+
+from conftest import ID_SCHEMA, write_shards
+from growcache import Cache
+from growcache.epoch import EpochOptions, Epochs
+from growcache.resume import check_state, load_state, loader_state, split_progress
+
+
+@pytest.fixture
+def epochs(id_cache):
+    write_shards(id_cache, [9, 4, 7])
+    return Epochs(id_cache, EpochOptions(4, shuffle_buffer=0))
+
+
+@pytest.fixture
+def state(epochs):
+    epoch = epochs.start()
+    epoch.consumed = 2
+    saved = json.loads(json.dumps(loader_state(epochs, epoch)))
+    epoch.end()
+    return saved
+
+
+def test_a_state_is_small_plain_json_naming_the_cache_snapshot_plan_and_progress(epochs, state):
+    assert state["version"] == 1 and state["epoch"] == 0 and state["seed"] == 0 and state["progress"] == 2
+    assert state["cache_id"] == epochs.cache.cache_id and len(state["cache_id"]) == 32
+    assert [s[2] for s in state["snapshot"]["shards"]] == [9, 4, 7]
+    assert state["plan"] == {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "split": "shared",
+                             "even_batches": True, "workers": 1, "batch_size": 4, "shuffle_buffer": 0,
+                             "drop_last": False}
+    assert check_state(state) == state
+
+
+def _with(state, path, value):
+    hostile = copy.deepcopy(state)
+    *parents, last = path
+    target = hostile
+    for key in parents:
+        target = target[key]
+    if value is KeyError:
+        del target[last]
+    else:
+        target[last] = value
+    return hostile
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("epoch",), -1, "'epoch'"),
+    (("epoch",), 3.9, "'epoch'"),
+    (("epoch",), True, "'epoch'"),
+    (("epoch",), 2**70, "'epoch'"),
+    (("seed",), "0", "'seed'"),
+    (("version",), 2, "'version'"),
+    (("format",), "torchdata", "'format'"),
+    (("progress",), -3, "'progress'"),
+    (("cache_id",), "../../x", "'cache_id'"),
+    (("plan", "workers"), 0, "'plan.workers'"),
+    (("plan", "batch_size"), False, "'plan.batch_size'"),
+    (("plan", "split"), "everyone", "'plan.split'"),
+    (("plan", "drop_last"), 0, "'plan.drop_last'"),
+    (("plan", "rank"), 5, "'plan'"),
+    (("plan", "extra"), 1, "'plan'"),
+    (("snapshot", "shards", 0, 0), "../../../etc/passwd", r"'snapshot.shards\[0\]'"),
+    (("snapshot", "shards", 0, 2), 10**6, r"'snapshot.shards\[0\]'"),
+    (("snapshot", "shards"), [], "'snapshot.shards'"),
+    (("snapshot", "skipped"), ["000000000099-1r-100b.tfrecord"], "'snapshot.skipped'"),
+    (("pin",), {"name": "../../growcache.json", "until": 1.0}, "'pin'"),
+    (("pin",), {"name": "pin-" + "0" * 32 + ".json", "until": float("nan")}, "'pin'"),
+    (("surprise",), 1, "unknown fields"),
+    (("plan",), KeyError, "lacks fields"),
+])
+def test_a_damaged_or_hostile_state_is_refused_naming_the_field(epochs, state, path, value, field):
+    with pytest.raises(ValueError, match=field):
+        load_state(epochs, _with(state, path, value))
+    assert epochs.resume is None
+
+
+@pytest.mark.parametrize("hostile", [{}, [], None, "state", {"epoch": -1}, {"epoch": 3.9}, {"epoch": True},
+                                     {"epoch": "3"}])
+def test_old_style_and_empty_states_are_checked_too(epochs, hostile):
+    with pytest.raises(ValueError):
+        load_state(epochs, hostile)
+
+
+def test_the_old_state_still_loads(epochs):
+    load_state(epochs, {"epoch": 7})
+    assert epochs.epoch == 7 and epochs.resume is None
+
+
+def test_another_caches_state_is_refused(epochs, state, tmp_path):
+    other = Cache(tmp_path / "other", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(other, [9, 4, 7])  # the same names and sizes: only the id tells them apart
+    with pytest.raises(ValueError, match="'cache_id'.*another cache"):
+        load_state(Epochs(other, EpochOptions(4, shuffle_buffer=0)), state)
+
+
+def test_an_old_cache_gets_an_id_at_its_first_writable_open(tmp_path):
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA)
+    path = tmp_path / "c" / "growcache.json"
+    metadata = json.loads(path.read_text())
+    del metadata["cache_id"]
+    path.write_text(json.dumps(metadata))
+    again = Cache(tmp_path / "c")
+    assert again.cache_id and again.cache_id != cache.cache_id
+    assert Cache(tmp_path / "c").cache_id == again.cache_id
+    metadata["cache_id"] = 42
+    path.write_text(json.dumps(metadata))
+    with pytest.raises(ValueError, match="cache_id"):
+        Cache(tmp_path / "c")
+
+
+def _round_robin(counts, consumed):
+    """What a DataLoader's in-order workers deliver: one batch each in turn, skipping those done."""
+    done, left, worker, order = [0] * len(counts), list(counts), 0, []
+    while len(order) < consumed:
+        if left[worker]:
+            order.append(worker)
+            done[worker] += 1
+            left[worker] -= 1
+        worker = (worker + 1) % len(counts)
+    following = next((w % len(counts) for w in range(worker, worker + len(counts)) if left[w % len(counts)]), 0)
+    return done, following
+
+
+@pytest.mark.parametrize("counts", [[5], [3, 3], [4, 1, 6], [0, 2, 9], [7, 7, 2, 5]])
+def test_split_progress_is_a_dataloaders_round_robin(counts):
+    for consumed in range(sum(counts) + 1):
+        assert split_progress(counts, consumed) == _round_robin(counts, consumed), consumed
+
+
+def test_a_pin_outlives_its_writer_until_its_expiry_and_eviction_respects_it(id_cache):
+    write_shards(id_cache, [5, 5, 5])
+    shards = id_cache.list_shards()
+    name = id_cache.pin([shards[0].seq], until=time.time() + 0.5, holder="test", run="r1")
+    stats = id_cache.stats()
+    assert (stats.pins, stats.pinned_shards, stats.pinned_bytes, stats.leases) == (1, 1, shards[0].nbytes, 0)
+    assert [p["name"] for p in id_cache.pins()] == [name] and id_cache.pins()[0]["run"] == "r1"
+    assert shards[0] not in id_cache.evict(to=0)
+    assert os.path.exists(shards[0].path)
+    time.sleep(0.6)
+    assert id_cache.pins() == [] and id_cache.read_pin(name) is None
+    assert shards[0] in id_cache.evict(to=0)
+
+
+@pytest.mark.parametrize("field, value", [("until", "tomorrow"), ("until", True), ("until", 1e300),
+                                          ("run", 7), ("seqs", ["1"])])
+def test_a_damaged_pin_is_treated_as_expired(id_cache, field, value):
+    write_shards(id_cache, [5])
+    name = id_cache.pin([id_cache.list_shards()[0].seq], until=time.time() + 3600)
+    path = os.path.join(id_cache.path, "leases", name)
+    with open(path) as f:
+        pin = json.load(f)
+    pin[field] = value
+    with open(path, "w") as f:
+        json.dump(pin, f)
+    assert id_cache.pins() == [] and id_cache.read_pin(name) is None
+    assert id_cache.evict(to=0)
+
+
+def test_a_linked_pin_is_not_followed_and_pin_names_are_checked(id_cache, tmp_path):
+    write_shards(id_cache, [5])
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"pid": 1, "start_time": 0, "seqs": [1], "until": time.time() + 3600}))
+    name = "pin-" + "a" * 32 + ".json"
+    os.symlink(outside, os.path.join(id_cache.path, "leases", name))
+    assert id_cache.pins() == [] and id_cache.read_pin(name) is None
+    for bad in ("../growcache.json", "pin-x.json", "pin-" + "a" * 32 + ".json/../../x"):
+        with pytest.raises(ValueError):
+            id_cache.read_pin(bad)
+        with pytest.raises(ValueError):
+            id_cache.unpin(bad)
