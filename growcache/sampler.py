@@ -1407,6 +1407,7 @@ class _SampleLoop:
                 self.publish(background=True)
             if self._publish_error is not None:
                 self.join_publisher()
+            batch = []
             while not exhausted and outstanding < flow.allowed() and free:
                 slot = free.pop()
                 index = indices.claim(slot)
@@ -1414,23 +1415,30 @@ class _SampleLoop:
                     free.append(slot)
                     exhausted = True
                     break
-                engine.submit(Task(index, sample_rng(cfg.seed, index, cfg.run), slot, Ticket(flow)))
+                batch.append(Task(index, sample_rng(cfg.seed, index, cfg.run), slot, Ticket(flow)))
                 outstanding += 1
+            engine.submit_many(batch)
             if exhausted and outstanding == 0:
                 break
             try:
-                task = engine.done.get(timeout=_POLL_S)
+                finished = [engine.done.get(timeout=_POLL_S)]
             except queue.Empty:
                 self.figures()
                 continue
-            outstanding -= 1
-            free.append(task.slot)
-            try:
-                if task.error is not None:
-                    raise task.error
-                self.write(task.slot, task.index, task.result)
-            finally:
-                task.ticket.release()
+            while len(finished) < outstanding:  # everything finished meanwhile: one wake-up for all
+                try:
+                    finished.append(engine.done.get_nowait())
+                except queue.Empty:
+                    break
+            for task in finished:
+                outstanding -= 1
+                free.append(task.slot)
+                try:
+                    if task.error is not None:
+                        raise task.error
+                    self.write(task.slot, task.index, task.result)
+                finally:
+                    task.ticket.release()
             now = time.monotonic()
             sample_s = 0.8 * sample_s + 0.2 * (now - last)
             last = now
