@@ -132,6 +132,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("published", f"{s.published} shards, {format_size(s.published_bytes)}"),
         ("evicted", f"{s.evicted} shards, {format_size(s.evicted_bytes)}"),
         ("leases", f"{s.leases} live, holding {s.leased_shards} shards ({format_size(s.leased_bytes)})"),
+        ("pinned", f"{s.pins} resume pins, holding {s.pinned_shards} shards ({format_size(s.pinned_bytes)}); "
+                   "growcache prune --unpin NAME drops one"),
+        *((("pin", f"{p['name']}: {p.get('holder') or '?'}, run {p.get('run') or '?'}, {len(p['seqs'])} shards, "
+                   f"until {_time(p['until'])}") for p in cache.pins())),
         ("temporaries", f"{s.temporaries} shards being written"),
         *((("irregular", f"{path}: not a regular file, ignored by readers and eviction; remove it by hand")
            for path in getattr(s, "irregular", ()))),
@@ -198,10 +202,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="the cache directory")
     p.add_argument("--to", type=_size_arg, default=None, help="target size, e.g. 10GB (default: the capacity)")
+    p.add_argument("--unpin", action="append", default=[], metavar="NAME",
+                   help="drop the resume pin NAME (as growcache status lists it; 'all' for every pin) before "
+                        "evicting: a run that would resume from it then finds its shards gone. Expired pins are "
+                        "dropped anyway")
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     cache = _existing_cache(args.path)
+    names = [p["name"] for p in cache.pins()] if "all" in args.unpin else args.unpin
+    for name in names:
+        try:
+            dropped = cache.unpin(name)
+        except ValueError as exc:
+            raise _UsageError(f"--unpin {name}: {exc} (growcache status lists the pins)") from None
+        print(f"{'dropped' if dropped else 'no'} pin {name}")
     removed = cache.prune(args.to)
     print(f"evicted {len(removed)} shards ({format_size(sum(s.nbytes for s in removed))}); "
           f"{format_size(cache.stats().bytes)} left")

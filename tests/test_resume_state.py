@@ -180,3 +180,22 @@ def test_a_linked_pin_is_not_followed_and_pin_names_are_checked(id_cache, tmp_pa
             id_cache.read_pin(bad)
         with pytest.raises(ValueError):
             id_cache.unpin(bad)
+
+
+def test_status_shows_the_pins_and_prune_drops_a_named_one(id_cache, capsys):
+    from growcache.cli import main
+
+    write_shards(id_cache, [5, 5])
+    seqs = [s.seq for s in id_cache.list_shards()]
+    kept = id_cache.pin(seqs[:1], until=time.time() + 3600, holder="torch loader pid 1 epoch 3", run="job-7")
+    dropped = id_cache.pin(seqs[1:], until=time.time() + 3600, holder="another", run="job-8")
+    assert main(["status", id_cache.path]) == 0
+    out = capsys.readouterr().out
+    assert "2 resume pins, holding 2 shards" in out
+    assert f"{kept}: torch loader pid 1 epoch 3, run job-7, 1 shards, until" in out
+    assert main(["prune", id_cache.path, "--to", "1", "--unpin", dropped]) == 0
+    assert f"dropped pin {dropped}" in capsys.readouterr().out
+    assert [s.seq for s in id_cache.list_shards()] == seqs[:1]  # the kept pin held its shard through --to 0
+    assert main(["prune", id_cache.path, "--unpin", "../growcache.json"]) == 2
+    assert main(["prune", id_cache.path, "--to", "1", "--unpin", "all"]) == 0
+    assert id_cache.list_shards() == [] and id_cache.pins() == []
