@@ -91,6 +91,9 @@ class ReaderShare:
             in is read again and its delivered batches dropped. Default: ``0``.
         gone: indices of snapshot shards no longer in the cache (a resume with
             ``on_missing="skip"``): passed over like a corrupt shard. Default: none.
+        then: shares read after this one, each as its own stream (a resume over another
+            number of readers: each reader finishes the streams of one or more saved readers).
+            Default: none.
     """
 
     paths: np.ndarray
@@ -101,6 +104,7 @@ class ReaderShare:
     shuffle_seed: int = 0
     skip_batches: int = 0
     gone: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    then: tuple[ReaderShare, ...] = ()
 
     def shard_paths(self) -> np.ndarray:
         """Paths of the shards this reader reads, in order (``np.bytes_``)."""

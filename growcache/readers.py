@@ -87,7 +87,8 @@ def slab_batches(reader: BatchReader, share: ReaderShare, slab: Slab | None
         if handle is not None:  # a slot that ended up holding no row
             slab.give_back(handle)
 
-    for item in reader.batches(share, allocate, release):
+    parts = (share, *share.then)  # a resume re-planned over fewer or more readers: several streams
+    for item in (item for part in parts for item in reader.batches(part, allocate, release)):
         if isinstance(item, Skipped):
             yield item
             continue

@@ -150,6 +150,10 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
     """
     if epochs.resume is not None:
         return epochs.resume.state
+    if getattr(latest, "assignment", None) is not None and not latest.ended:
+        logger.warning("epoch %d was re-planned over another worker count: progress in it is not saved, so a resume "
+                       "from this state reads again what was read since the previous resume", latest.number)
+        return latest.loaded_state
     state: dict[str, Any] = {"format": _FORMAT, "version": STATE_VERSION, "epoch": int(epochs.epoch),
                              "seed": int(epochs.options.seed), "cache_id": epochs.cache.cache_id,
                              "plan": _plan_params(epochs), "snapshot": None, "progress": 0, "pin": None}
@@ -292,12 +296,23 @@ class _ResumedEpoch(Epoch):
     """An epoch finished from a saved state: the saved snapshot's plan, readers rotated and skipping."""
 
     saved_shards: list | None = None
+    loaded_state: dict | None = None
     skips: tuple[int, ...] = ()
     rotation: int = 0
     gone: np.ndarray | None = None
+    assignment: tuple[tuple[int, ...], ...] | None = None  # re-planned: saved readers each reader finishes
 
     def share(self, reader: int = 0) -> ReaderShare:
-        original = (reader + self.rotation) % self.plan.workers
+        if self.assignment is not None:
+            parts = [self._saved_share(original) for original in self.assignment[reader]]
+            if not parts:
+                return ReaderShare(self._paths, self._records, np.empty(0, np.int64), quota=0)
+            parts[0].then = tuple(parts[1:])
+            return parts[0]
+        return self._saved_share((reader + self.rotation) % self.plan.workers)
+
+    def _saved_share(self, original: int) -> ReaderShare:
+        """The rest of saved reader ``original``'s share."""
         share = super().share(original)
         share.skip_batches = self.skips[original]
         if self.gone is not None:
@@ -330,7 +345,7 @@ class Resume:
     def start(self, epochs: Epochs) -> Epoch:
         """Start the saved epoch again: lease its shards, plan it with the saved parameters."""
         state, group = self.state, epochs.group
-        _check_layout(epochs, state["plan"])
+        replanned = _check_layout(epochs, state["plan"])
         shards = state["snapshot"]["shards"]
         present_names = {os.path.basename(s.path) for s in epochs.cache.list_shards()}
         gone = self._gone | {name for name, _, _ in shards if name not in present_names}
@@ -349,11 +364,21 @@ class Resume:
         workers = plan.workers
         counts = [plan.batches(plan.reader(group.rank, w)) for w in range(workers)]
         skips, following = split_progress(counts, state["progress"])
+        assignment = None
+        if replanned:  # each saved reader's rest goes whole to one reader, the largest rests first
+            rests = [int(plan.quotas[plan.reader(group.rank, w)]) - skips[w] * plan.batch_size for w in range(workers)]
+            loads, assignment = [0] * epochs.readers, [[] for _ in range(epochs.readers)]
+            for w in sorted(range(workers), key=lambda w: -rests[w]):
+                target = loads.index(min(loads))
+                assignment[target].append(w)
+                loads[target] += max(rests[w], 0)
         agreed = EpochShards(self.epoch, state["seed"], tuple(i.seq for i in infos),
                              tuple(os.path.basename(i.path) for i in infos))
         epoch = _ResumedEpoch(epochs, next(epochs._tokens), agreed, snapshot, plan, None,
-                              consumed=min(state["progress"], sum(counts)), pin=self._pin,
-                              saved_shards=[list(s) for s in shards], skips=tuple(skips), rotation=following,
+                              consumed=min(state["progress"], sum(counts)), pin=self._pin, loaded_state=state,
+                              saved_shards=[list(s) for s in shards], skips=tuple(skips),
+                              rotation=0 if replanned else following,
+                              assignment=None if assignment is None else tuple(map(tuple, assignment)),
                               gone=np.array(sorted(i for i, info in enumerate(infos)
                                                    if os.path.basename(info.path) in gone), np.int64))
         epoch._paths = np.array([os.fsencode(info.path) for info in infos], dtype=np.bytes_)
@@ -368,14 +393,27 @@ class Resume:
         return epoch
 
 
-def _check_layout(epochs: Epochs, saved: dict[str, Any]) -> None:
+def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False) -> bool:
+    """Whether the saved epoch must be re-planned over another number of readers (workers).
+
+    Raises:
+        ValueError: another change of the layout, naming each.
+    """
     now = _plan_params(epochs)
-    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in saved if saved[key] != now[key]]
+    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in saved if key != "workers" and saved[key] != now[key]]
     if changed:
         raise ValueError(
-            f"the saved epoch was planned with another layout ({', '.join(changed)}): its order cannot be kept. "
-            "Build the loader with the saved world size, workers, batch size, shuffle buffer, drop_last, "
-            "even_batches and split to finish it, or load a state saved between epochs")
+            f"the saved epoch was planned with another layout ({', '.join(changed)}): the rest of it cannot be "
+            "re-planned over this one. Build the loader with the saved world size, rank, batch size, shuffle "
+            "buffer, drop_last, even_batches and split to finish it, or load a state saved between epochs")
+    if saved["workers"] == now["workers"]:
+        return False
+    if warn:
+        logger.warning("the saved epoch was read by %d readers per rank, this loader has %d: the rest of the epoch "
+                       "is re-planned (each saved reader's stream is finished by one reader, every record once), "
+                       "so its batches come in another order than the uninterrupted run's", saved["workers"],
+                       now["workers"])
+    return True
 
 
 def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None:
@@ -406,7 +444,7 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
     if checked["cache_id"] is None or cache.cache_id is None:
         logger.warning("resume state or cache %s has no cache id: the saved shards are matched by name only",
                        cache.path)
-    _check_layout(epochs, checked["plan"])
+    _check_layout(epochs, checked["plan"], warn=True)
     shards = checked["snapshot"]["shards"]
     present = {os.path.basename(s.path) for s in cache.list_shards()}
     skipped = set(checked["snapshot"]["skipped"])

@@ -185,3 +185,18 @@ def test_the_state_of_older_growcache_still_loads(grown):
         loader.load_state_dict({"epoch": 5})
         assert _ids(loader) == _reference(grown, epoch=5, num_workers=0)
         assert loader.last_epoch.number == 5
+
+
+@pytest.mark.parametrize("saved, now", [(2, 0), (0, 2), (2, 1)])
+def test_another_worker_count_replans_the_rest_every_record_once_with_a_warning(grown, caplog, saved, now):
+    expected = _reference(grown, num_workers=saved)
+    got, state = _cut(grown, 7, num_workers=saved)
+    with caplog.at_level(logging.WARNING, logger="growcache"):
+        with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=now) as loader:
+            loader.load_state_dict(state)
+            rest = _ids(loader)
+            assert loader.last_epoch.number == 1
+    assert "re-planned" in caplog.text
+    delivered = sorted(i for batch in got + rest for i in batch)
+    assert delivered == sorted(i for batch in expected for i in batch)  # every record, once
+    assert got == expected[:7]
