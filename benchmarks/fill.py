@@ -157,7 +157,8 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
     from growcache.sources import NpyWindowSource
 
     schema = Schema({"x": ("uint8", (window, ROW_BYTES))})
-    cache = Cache(tempfile.mkdtemp(dir=tmp), capacity="2GiB", schema=schema)
+    folder = tempfile.mkdtemp(dir=tmp)
+    cache = Cache(folder, capacity="2GiB", schema=schema)
     source = NpyWindowSource(urls, window)
     sample_bytes = window * ROW_BYTES
     pool = SamplerPool(cache, source, workers=workers, concurrency=concurrency, shard_size="64MiB", seed=1)
@@ -180,6 +181,9 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
             time.sleep(0.02)
     finally:
         final = pool.stop()
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)  # each contender's cache goes: dozens of them fill a disk
     samples = s1.records_written - s0.records_written
     payload = samples * sample_bytes
     return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": samples / (t1 - t0),
@@ -259,10 +263,9 @@ def main(args: argparse.Namespace) -> dict:
             finally:
                 store.close()
     finally:
-        if not args.dir:
-            import shutil
+        import shutil
 
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the caches; arrays kept in --dir stay
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
