@@ -106,7 +106,8 @@ class ObjectSource(StoreSource):
         decoder: ``".npy"`` (``numpy.load``, no pickles), ``"raw"`` (bytes as ``dtype`` and
             ``shape``), or a callable ``decode(data: bytes, path: str)`` that returns an
             array or a dict of arrays; ``path`` is the object's store path (for labels).
-            Default: ``".npy"``.
+            A sampler with ``concurrency > 1`` may call it from several threads at once
+            (local files) or in its event loop (s3, gs, http). Default: ``".npy"``.
         feature: the feature name an array result is stored under. Default: ``"x"``.
         dtype: element type of ``"raw"`` objects.
         shape: shape of ``"raw"`` objects.
