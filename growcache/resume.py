@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from .batching import ReaderShare
+from .batching import ReaderShare, window_batches
 from .cache import Cache
 from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, run_id
 from .errors import EpochSyncError, MissingShardsError
 from .manifest import CACHE_ID, PIN_NAME
-from .planning import plan_epoch
+from .planning import EpochPlan, plan_epoch
 from .rendezvous import EpochShards
 from .shard import ShardInfo
 
@@ -59,6 +59,7 @@ __all__ = [
     "keep_pin",
     "load_state",
     "loader_state",
+    "needed_shards",
     "pin_epoch",
     "split_progress",
 ]
@@ -89,6 +90,23 @@ class Pin:
     cache: Cache
     name: str
     until: float
+    seqs: frozenset[int] = frozenset()
+    holder: str = ""
+    run: str = ""
+
+    def shrink(self, seqs: set[int]) -> None:
+        """Hold only ``seqs`` from now on (the shards the rest of the epoch reads), if that is fewer:
+        a cache that is full then evicts shards already read, even after a kill. Logged, never raised."""
+        seqs = frozenset(seqs) & self.seqs
+        if seqs == self.seqs:
+            return
+        try:
+            self.cache.pin(sorted(seqs), until=self.until, holder=self.holder, run=self.run, name=self.name)
+        except OSError as exc:
+            logger.warning("could not shrink resume pin %s of cache %s (%s); it keeps %d shards", self.name,
+                           self.cache.path, exc, len(self.seqs))
+            return
+        self.seqs = seqs
 
     def release(self) -> None:
         """Release the pin (idempotent); a failure to is logged, never raised (the pin expires)."""
@@ -112,15 +130,15 @@ def pin_epoch(epoch: Epoch, ttl: float) -> None:
     if ttl <= 0 or epoch.pin is not None or not len(epoch.snapshot):
         return
     until = time.time() + ttl
+    seqs = frozenset(s.seq for s in epoch.snapshot.shards)
+    holder, run = f"{epochs._holder or 'loader'} epoch {epoch.number}", run_id(epochs.options.run_id)
     try:
-        name = epochs.cache.pin([s.seq for s in epoch.snapshot.shards], until=until,
-                                holder=f"{epochs._holder or 'loader'} epoch {epoch.number}",
-                                run=run_id(epochs.options.run_id))
+        name = epochs.cache.pin(sorted(seqs), until=until, holder=holder, run=run)
     except OSError as exc:
         logger.warning("could not pin epoch %d's snapshot in cache %s for a resume (%s): a resume after a kill "
                        "may find shards evicted", epoch.number, epochs.cache.path, exc)
         return
-    epoch.pin = Pin(epochs.cache, name, until)
+    epoch.pin = Pin(epochs.cache, name, until, seqs, holder, run)
 
 
 def keep_pin(epoch: Epoch) -> None:
@@ -167,6 +185,11 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
     names = {name for name, _, _ in shards}
     noted = epochs._noted if epochs._noted_epoch == latest.number else set()
     skipped = sorted({os.path.basename(path) for path, _, _ in noted} & names)
+    if latest.pin is not None and getattr(latest, "assignment", None) is None:
+        spec = epochs.reader
+        needed = needed_shards(latest.plan, epochs.group.rank, latest.consumed, spec.window_batches * spec.batch_size,
+                               spec.window_batches, [int(r) for r in latest._records], epochs.tops_up)
+        latest.pin.shrink({latest.agreed.seqs[i] for i in needed})
     state.update(epoch=latest.number, seed=latest.seed, progress=int(latest.consumed),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
@@ -289,6 +312,30 @@ def split_progress(counts: Sequence[int], consumed: int) -> tuple[list[int], int
         done[w] += 1
     following = going[left] if left < len(going) else 0
     return done, following
+
+
+def needed_shards(plan: EpochPlan, rank: int, consumed: int, window_rows: int, window_batches: int,
+                  records: Sequence[int], tops_up: bool) -> set[int]:
+    """Indices of the snapshot shards that rank ``rank`` still reads after ``consumed`` batches.
+
+    A reader passes over the whole shuffle windows it delivered, and the shards wholly inside
+    them are never opened again; a reader that may top up keeps its whole cycle.
+    """
+    counts = [plan.batches(plan.reader(rank, w)) for w in range(plan.workers)]
+    skips, _ = split_progress(counts, consumed)
+    needed: set[int] = set()
+    for worker in range(plan.workers):
+        index = plan.reader(rank, worker)
+        if tops_up:
+            needed.update(int(i) for i in plan.cycle[index])
+        to_skip = (skips[worker] // window_batches) * window_rows
+        for position, shard in enumerate(int(i) for i in plan.shards[index]):
+            if to_skip >= records[shard]:
+                to_skip -= records[shard]
+                continue
+            needed.update(int(i) for i in plan.shards[index][position:])
+            break
+    return needed
 
 
 @dataclass(eq=False)
@@ -448,7 +495,17 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
     shards = checked["snapshot"]["shards"]
     present = {os.path.basename(s.path) for s in cache.list_shards()}
     skipped = set(checked["snapshot"]["skipped"])
-    lost = [(name, records) for name, _, records in shards if name not in present and name not in skipped]
+    params = checked["plan"]
+    records_of = [records for _, _, records in shards]
+    plan = plan_epoch(records_of, epoch=checked["epoch"], seed=checked["seed"], world_size=params["group_size"],
+                      num_workers=params["workers"], batch_size=params["batch_size"], drop_last=params["drop_last"],
+                      even_batches=params["even_batches"])
+    batches = window_batches(params["shuffle_buffer"], params["batch_size"])
+    # Shards the rest of the epoch does not read (the pin let them go as the epoch went on) may be gone.
+    needed = needed_shards(plan, params["group_rank"], checked["progress"], batches * params["batch_size"], batches,
+                           records_of, params["even_batches"] and params["group_size"] > 1)
+    lost = [(name, records) for i, (name, _, records) in enumerate(shards)
+            if i in needed and name not in present and name not in skipped]
     if lost:
         records = sum(r for _, r in lost)
         names = ", ".join(name for name, _ in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
@@ -466,7 +523,8 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
             logger.warning("resume pin %s is gone or expired; the saved epoch's shards are leased when it starts",
                            checked["pin"]["name"])
         else:
-            pin = Pin(cache, checked["pin"]["name"], float(adopted["until"]))
+            pin = Pin(cache, checked["pin"]["name"], float(adopted["until"]), frozenset(adopted["seqs"]),
+                      adopted.get("holder", ""), adopted.get("run", ""))
     epochs.epoch = checked["epoch"]
     epochs.resume = Resume(checked, pin, skipped | {name for name, _ in lost})
 

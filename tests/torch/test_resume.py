@@ -52,12 +52,16 @@ def test_a_killed_run_resumes_batch_by_batch_while_the_cache_grows_and_evicts(tm
     saved = json.loads((tmp_path / "state.json").read_text())
     before = _log(tmp_path, "kill")
     assert len(before) == kill_at and saved["progress"] == kill_at // save_every * save_every
-    # The downtime: the cache grows past its budget and evicts; the killed run's pin keeps the epoch's shards.
+    # The downtime: the cache grows past its budget and evicts; the killed run's pin keeps the shards
+    # the rest of the epoch reads (it let go of those read whole before the last save).
     cache = Cache(tmp_path / "cache", capacity=cache.stats().bytes * 3 // 2)
+    [pin] = cache.pins()
+    pinned = {s.path for s in cache.list_shards() if s.seq in pin["seqs"]}
+    assert pinned and pinned <= first
     write_shards(cache, [40] * 12, first_id=10_000)
     stats = cache.stats()
-    assert stats.evicted > 0 and first <= {s.path for s in cache.list_shards()}
-    assert stats.pins == 1 and stats.pinned_bytes >= sum(os.path.getsize(p) for p in first)
+    assert stats.evicted > 0 and pinned <= {s.path for s in cache.list_shards()}
+    assert stats.pins == 1 and stats.pinned_bytes == sum(os.path.getsize(p) for p in pinned)
     resumed = _train(tmp_path, mode="resume", workers=workers)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["state"] == 2  # the resumed epoch ended: the next state is epoch 2
@@ -200,3 +204,25 @@ def test_another_worker_count_replans_the_rest_every_record_once_with_a_warning(
     delivered = sorted(i for batch in got + rest for i in batch)
     assert delivered == sorted(i for batch in expected for i in batch)  # every record, once
     assert got == expected[:7]
+
+
+def test_the_pin_lets_go_of_shards_read_whole_as_the_epoch_goes_on(grown):
+    with make_torch_loader(grown, 8, shuffle_buffer=0, seed=3, num_workers=0) as loader:
+        iterator = iter(loader)
+        sizes = []
+        for _ in range(loader.last_epoch.batches() - 1):
+            next(iterator)
+            loader.state_dict()  # a checkpoint: the pin shrinks to what the rest of the epoch reads
+            [pin] = grown.pins()
+            sizes.append(len(pin["seqs"]))
+        assert sizes[0] == len(SHARDS) and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
+        state = json.loads(json.dumps(loader.state_dict()))
+        [pin] = grown.pins()
+        expected_rest = _ids(iterator)
+    read = {s.path for s in grown.list_shards() if s.seq not in pin["seqs"]}
+    assert len(read) == len(SHARDS) - 1
+    for path in read:  # evicted once read: the resume needs none of them
+        os.unlink(path)
+    with make_torch_loader(grown, 8, shuffle_buffer=0, seed=3, num_workers=0) as loader:
+        loader.load_state_dict(state)
+        assert _ids(loader) == expected_rest
