@@ -147,4 +147,8 @@ class ForeignLoaderError(GrowcacheError, RuntimeError):
             "loader around loader.dataset. Pass only the model and optimizer: `model, optimizer = "
             "accelerator.prepare(model, optimizer)`, and iterate growcache's loader itself; it already splits each "
             "epoch over the ranks of torch.distributed, with equal batch counts (docs/pytorch.md, Integrations). "
-            "To set the epoch, call set_epoch on growcache's loader, not on its dataset."))
+            "To set the epoch, call set_epoch on growcache's loader, not on its dataset. To resume mid-epoch "
+            "(Accelerate's skip_first_batches builds such a DataLoader), restore loader.load_state_dict(state) from "
+            "a loader.state_dict() saved with your checkpoint (accelerator.register_for_checkpointing(loader) has "
+            "save_state/load_state do it): the next iter() finishes that epoch, batch by batch (docs/pytorch.md, "
+            "Resuming mid-epoch)."))

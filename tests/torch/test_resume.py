@@ -226,3 +226,28 @@ def test_the_pin_lets_go_of_shards_read_whole_as_the_epoch_goes_on(grown):
     with make_torch_loader(grown, 8, shuffle_buffer=0, seed=3, num_workers=0) as loader:
         loader.load_state_dict(state)
         assert _ids(loader) == expected_rest
+
+
+def test_accelerate_checkpoints_the_loader_and_skip_first_batches_points_to_the_resume(grown, tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    import warnings
+
+    warnings.filterwarnings("ignore", module="accelerate")
+    expected = _reference(grown, num_workers=0)
+    loader = make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0)
+    loader.set_epoch(1)
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(loader)
+    iterator = iter(loader)
+    got = [next(iterator)["id"].tolist() for _ in range(9)]
+    accelerator.save_state(str(tmp_path / "checkpoint"))
+    with pytest.raises(growcache.ForeignLoaderError, match=r"load_state_dict\(state\).*Resuming mid-epoch"):
+        next(iter(accelerate.skip_first_batches(loader, 9)))
+    del iterator
+    loader.close()
+    resumed = make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0)
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(resumed)
+    accelerator.load_state(str(tmp_path / "checkpoint"))
+    assert got + _ids(resumed) == expected
+    resumed.close()
