@@ -174,7 +174,10 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
         return latest.loaded_state
     state: dict[str, Any] = {"format": _FORMAT, "version": STATE_VERSION, "epoch": int(epochs.epoch),
                              "seed": int(epochs.options.seed), "cache_id": epochs.cache.cache_id,
-                             "plan": _plan_params(epochs), "snapshot": None, "progress": 0, "pin": None}
+                             # Before a first epoch the group is unknown, and resolving it here would fix it
+                             # before the process group exists: a state between epochs needs no plan.
+                             "plan": _plan_params(epochs) if epochs._group is not None else None,
+                             "snapshot": None, "progress": 0, "pin": None}
     if latest is None or latest.ended or latest.consumed >= latest.batches():
         if latest is not None and not latest.ended:
             state["epoch"] = latest.number + 1
@@ -236,6 +239,11 @@ def check_state(state: Any) -> dict[str, Any]:
         raise ValueError(f"resume state field 'cache_id' is {cache_id!r}, not a cache id (32 hexadecimal digits)")
     out["cache_id"] = cache_id
     plan = state["plan"]
+    if plan is None and state["snapshot"] is None:
+        out.update(cache_id=cache_id, plan=None, snapshot=None, progress=_int(state, "progress", 0, 0), pin=None)
+        if state["pin"] is not None:
+            raise ValueError("resume state field 'pin' is set without a snapshot")
+        return out
     if not isinstance(plan, Mapping) or set(plan) != {*_PLAN_KEYS, *_PLAN_FLAGS, "split"}:
         raise ValueError(f"resume state field 'plan' is not a dict of {sorted({*_PLAN_KEYS, *_PLAN_FLAGS, 'split'})}")
     checked = {key: _int(plan, key, low, _MAX_INT, "plan.") for key, low in _PLAN_KEYS.items()}

@@ -199,3 +199,14 @@ def test_status_shows_the_pins_and_prune_drops_a_named_one(id_cache, capsys):
     assert main(["prune", id_cache.path, "--unpin", "../growcache.json"]) == 2
     assert main(["prune", id_cache.path, "--to", "1", "--unpin", "all"]) == 0
     assert id_cache.list_shards() == [] and id_cache.pins() == []
+
+
+def test_a_state_before_the_first_epoch_leaves_the_group_unresolved(id_cache):
+    write_shards(id_cache, [3])
+    epochs = Epochs(id_cache, EpochOptions(4), world=lambda: (0, 1))
+    state = json.loads(json.dumps(loader_state(epochs, None)))
+    assert state["plan"] is None and state["snapshot"] is None and epochs._group is None
+    assert check_state(state)["epoch"] == 0
+    load_state(epochs, state)
+    with pytest.raises(ValueError, match="'progress'"):
+        load_state(epochs, dict(state, progress=3))
