@@ -27,7 +27,7 @@ except ImportError:  # the older package name
     except ImportError as exc:
         raise MissingExtraError("growcache.adapters.lightning needs PyTorch Lightning: pip install lightning") from exc
 
-__all__ = ["InputStatsCallback"]
+__all__ = ["InputStatsCallback", "ResumeCallback"]
 
 
 class InputStatsCallback(Callback):
@@ -72,3 +72,24 @@ class InputStatsCallback(Callback):
         if chosen:
             # The loader's figures are already the same on every rank (it gathered them).
             pl_module.log_dict(chosen, on_step=False, on_epoch=True, sync_dist=False)
+
+
+class ResumeCallback(Callback):
+    """Makes a mid-epoch checkpoint resume a growcache loader at the batch the trainer stepped on.
+
+    Lightning saves ``loader.state_dict()`` in every checkpoint and restores it from one taken
+    mid-epoch, but its fetcher reads one batch ahead of the step it checkpoints (Lightning issue
+    #18135): the state would count a batch the model never trained on, and the resumed run would
+    skip it. This callback sets the saved progress to the batches the epoch's steps processed::
+
+        trainer = lightning.Trainer(..., callbacks=[ModelCheckpoint(every_n_train_steps=500, save_last=True),
+                                                    ResumeCallback()])
+        trainer.fit(model, loader, ckpt_path="last.ckpt")  # the resumed epoch goes on batch by batch
+    """
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        for state in fit_loop.get("combined_loader") or ():
+            if isinstance(state, dict) and state.get("format") == "growcache-loader" and state.get("snapshot"):
+                state["progress"] = min(int(state["progress"]), int(processed))
