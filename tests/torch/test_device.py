@@ -162,6 +162,7 @@ class _HostDelivery:
     that read the slot only when their event completes (by address, as a DMA engine does)."""
 
     registered_bytes = 0
+    pin = False  # device batches, as a real delivery with a device says (loader.pin_memory reads it)
 
     def __init__(self) -> None:
         self.release = ReleaseQueue()
