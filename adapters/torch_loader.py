@@ -28,7 +28,7 @@ from growcache.epoch import Epoch, EpochOptions, Epochs
 from growcache.errors import ForeignLoaderError
 from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
-from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, keep_pin, pin_epoch
+from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, keep_pin, release_kept_pins
 from growcache.transport import COPY_BELOW, SlotHandle
 from growcache.worker_feed import WorkerFeed
 
@@ -121,7 +121,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         self._copy = copy
         self._delivery = delivery  # device= or pin_memory=True: adapters/cuda.py
         self._slots = slots
-        self._resume_ttl = resume_ttl
+        self.resume_ttl = resume_ttl
         self._prefetch_factor = self.prefetch_factor
         self._closed = False
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
@@ -198,7 +198,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         self.last_epoch, iterator = self._stream.feed.start_epoch(
             self.epochs, self._start_workers, slots=self._slots, start_method=method,
             registered=self._delivery is not None)
-        pin_epoch(self.last_epoch, self._resume_ttl)  # a killed run's state still finds its snapshot
+        release_kept_pins(self.last_epoch)  # the run went on: states of its earlier epochs are stale
         self._meter.begin(self.last_epoch, began)
         return self._deliver(self.last_epoch, iterator)
 
@@ -300,8 +300,9 @@ def make_torch_loader(
             (``generator`` seeds the workers' torch RNG; growcache's order comes from ``seed``;
             ``in_order`` needs torch 2.6 or later). Defaults: ``DataLoader``'s.
         resume_ttl: seconds each epoch's snapshot stays pinned in the cache from the epoch's
-            start, so that ``loader.load_state_dict(state)`` after a kill finds it (the epoch's
-            end releases the pin earlier); ``0`` pins nothing. See :mod:`growcache.resume`.
+            first ``loader.state_dict()``, so that ``loader.load_state_dict(state)`` after a kill
+            finds it (the epoch's end releases the pin earlier); ``0`` pins nothing. See
+            :mod:`growcache.resume`.
             Default: ``43200`` (12 hours).
 
     The epoch arguments (``shuffle_buffer``, ``seed``, ``drop_last``, ``even_batches``,

@@ -8,9 +8,12 @@ resume:
   and seed, the cache's id (``growcache.json``'s ``cache_id``), the epoch's snapshot and the
   shards skipped as corrupt, the plan's parameters, the batches the training loop consumed
   (batches prefetched by readers do not count), and the epoch's pin.
-* **The pin.** At each epoch's start the adapter pins the snapshot (:func:`pin_epoch`): a
+* **The pin.** The first ``state_dict()`` of an epoch pins its snapshot (:func:`pin_epoch`): a
   lease file in ``leases/`` that no process keeps alive, with an absolute expiry
-  (``resume_ttl``, default :data:`DEFAULT_RESUME_TTL`). It outlives a killed process, so the
+  (``resume_ttl``, default :data:`DEFAULT_RESUME_TTL`). Until then the epoch's own lease holds
+  every shard of the snapshot, so a state can only name shards that are there; a loader whose
+  state is never asked for pins nothing, and a killed or abandoned epoch of it leaves no pin to
+  hold a full cache's shards for hours. The pin outlives a killed process, so the
   shards the state names are still there at the resume; eviction respects it like any
   lease, ``growcache status`` shows it and ``growcache prune --pins`` drops expired or named
   ones. The epoch's end releases it, and so does the end of the resumed epoch that adopted it.
@@ -61,6 +64,7 @@ __all__ = [
     "loader_state",
     "needed_shards",
     "pin_epoch",
+    "release_kept_pins",
     "split_progress",
 ]
 
@@ -117,17 +121,24 @@ class Pin:
                            self.cache.path, exc, time.ctime(self.until))
 
 
+def release_kept_pins(epoch: Epoch) -> None:
+    """``epoch`` of a loader starts: the pins its earlier, unfinished epochs kept are released
+    (the run went on, so states naming them are stale)."""
+    for kept in epoch.epochs.__dict__.pop("_kept_pins", []):
+        if kept is not epoch.pin:
+            kept.release()
+
+
 def pin_epoch(epoch: Epoch, ttl: float) -> None:
-    """Pin ``epoch``'s snapshot for ``ttl`` seconds from now (``0``: no pin), as :attr:`Epoch.pin`.
+    """Pin ``epoch``'s snapshot for ``ttl`` seconds from now (``0``: no pin), as :attr:`Epoch.pin`,
+    unless it is pinned already or has ended. Called by the epoch's first ``state_dict()``, while
+    the epoch's own lease still holds every shard of its snapshot.
 
     A failure to write the pin (a full disk, a read-only cache) is logged: the epoch reads on,
     only its resume after a kill is not protected from eviction.
     """
     epochs = epoch.epochs
-    for kept in epochs.__dict__.pop("_kept_pins", []):
-        if kept is not epoch.pin:  # the run went on to another epoch: states naming those are stale
-            kept.release()
-    if ttl <= 0 or epoch.pin is not None or not len(epoch.snapshot):
+    if ttl <= 0 or epoch.pin is not None or epoch.ended or not len(epoch.snapshot):
         return
     until = time.time() + ttl
     seqs = frozenset(s.seq for s in epoch.snapshot.shards)
@@ -144,7 +155,7 @@ def pin_epoch(epoch: Epoch, ttl: float) -> None:
 def keep_pin(epoch: Epoch) -> None:
     """``epoch`` ends unfinished (its iterator abandoned, its loader closed, its process leaving):
     its pin outlives it, for a resume from a state saved in it, until the next epoch of the same
-    loader starts (:func:`pin_epoch`), an adopting resume ends, or its expiry."""
+    loader starts (:func:`release_kept_pins`), an adopting resume ends, or its expiry."""
     if epoch.pin is not None:
         epoch.epochs.__dict__.setdefault("_kept_pins", []).append(epoch.pin)
         epoch.pin = None
@@ -545,10 +556,17 @@ class ResumableLoader(EpochBookkeeping):
     ``load_state_dict``).
     """
 
+    #: Seconds an epoch's snapshot stays pinned from its first ``state_dict()`` (``0``: no pin).
+    resume_ttl: float = DEFAULT_RESUME_TTL
+
     def state_dict(self) -> dict[str, Any]:
         """The state to resume at: see :func:`loader_state`. JSON-serializable, no pickles; cheap
-        enough to call every few batches (a list of the epoch's shard names)."""
-        return loader_state(self.epochs, self.last_epoch)
+        enough to call every few batches (a list of the epoch's shard names). The first call in
+        an epoch pins its snapshot for :attr:`resume_ttl` seconds (:func:`pin_epoch`)."""
+        latest = self.last_epoch
+        if latest is not None and self.epochs.resume is None:
+            pin_epoch(latest, self.resume_ttl)
+        return loader_state(self.epochs, latest)
 
     def load_state_dict(self, state: Mapping[str, Any], *, on_missing: str = "raise") -> None:
         """Resume from ``state``: the next ``iter()`` finishes the saved epoch, batch by batch as

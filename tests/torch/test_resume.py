@@ -23,13 +23,16 @@ from conftest import ID_SCHEMA, write_shards  # noqa: E402
 from growcache import Cache, MissingShardsError, make_torch_loader  # noqa: E402
 
 TRAINER = os.path.join(os.path.dirname(__file__), "resume_trainer.py")
+# Only the tests folder (conftest): the whole of sys.path put stdlib and the venv ahead of the
+# child's own setup, and the child failed to start in a full suite run.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARDS = [37, 50, 23, 41, 60, 13, 29]  # 253 records, 32-33 batches of 8
 
 
 def _train(tmp_path, **args) -> subprocess.CompletedProcess:
     args = {"cache": str(tmp_path / "cache"), "out": str(tmp_path), **args}
     return subprocess.run([sys.executable, TRAINER, json.dumps(args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                          env={**os.environ, "PYTHONPATH": TESTS})
 
 
 def _log(tmp_path, mode: str) -> list[list[int]]:
@@ -117,6 +120,25 @@ def test_set_epoch_to_another_epoch_drops_the_resume_and_its_pin(grown):
         loader.set_epoch(4)
         assert _ids(loader) == _reference(grown, epoch=4, num_workers=0)
     assert grown.stats().pins == 0
+
+
+def test_an_epoch_is_pinned_from_its_first_state_dict_and_a_loader_never_asked_pins_nothing(grown):
+    # A pin written at every epoch's start held a killed or abandoned epoch's whole snapshot for
+    # resume_ttl (12 hours) even where no state was ever saved: the soak's killed readers kept
+    # the cache over its budget. The epoch's own lease holds every shard until the first save.
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        assert grown.pins() == []
+        del iterator  # abandoned, never asked for its state
+    assert grown.pins() == [] and grown.stats().pins == 0
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        assert [p["name"] for p in grown.pins()] == [state["pin"]["name"]]
+        del iterator
+    assert [p["name"] for p in grown.pins()] == [state["pin"]["name"]]  # kept for the resume
 
 
 def test_a_second_save_names_the_next_epochs_pin_and_the_first_is_released(grown):
