@@ -40,8 +40,9 @@ The bucket is live, and the state file is untrusted:
   piece publishes bytes of two versions of a shard rewritten while it was read.
 * A claim carries a heartbeat: while its copy runs (or waits for room to publish), a thread
   refreshes its time every :func:`~growcache._proc.heartbeat_interval` seconds, and a claim
-  whose time is older than :func:`~growcache._proc.owner_expiry` is dead, wherever its owner
-  runs. Before each piece is published, the claim is checked under the cache lock: a copy
+  whose time is older than the owner expiry its owner stored in it
+  (:func:`~growcache._proc.beat_expiry`; never the judging job's own setting) is dead, wherever
+  its owner runs. Before each piece is published, the claim is checked under the cache lock: a copy
   whose claim was taken over (a process frozen past the expiry) publishes nothing.
 * Every field of the state is checked before use; a damaged claim counts as expired, any
   other damage starts the state afresh, with a warning.
@@ -521,7 +522,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 pid, start_time = _proc.this_process()
                 token = os.urandom(8).hex()
                 claims[path] = {"pid": pid, "start_time": start_time, "host": _proc.this_host(), "time": time.time(),
-                                "worker": job.worker, "token": token}
+                                "expiry": _proc.beat_expiry(), "worker": job.worker, "token": token}
                 self._write(cache, state, durable=False)
                 return _Claim(path, _missing(state, path), token, listing[path])
             if json.dumps(state, sort_keys=True) != unchanged:
@@ -578,7 +579,8 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         if claim.path not in state["claims"] and claim.path not in state["done"] and not overlap:
             pid, start_time = _proc.this_process()
             state["claims"][claim.path] = {"pid": pid, "start_time": start_time, "host": _proc.this_host(),
-                                           "time": time.time(), "worker": -1, "token": claim.token}
+                                           "time": time.time(), "expiry": _proc.beat_expiry(), "worker": -1,
+                                           "token": claim.token}
             return
         raise ClaimLostError(
             f"the claim on {self._url(claim.path)} in {state['source']} was taken over by another process while this "
@@ -814,26 +816,36 @@ def _claim_damage(claim: dict[str, Any]) -> str | None:
         return f"start_time {claim.get('start_time')!r}"
     if claim.get("host") is not None and not isinstance(claim.get("host"), str):
         return f"host {claim.get('host')!r}"
+    if "expiry" in claim and _proc.stored_expiry(claim["expiry"]) is None:
+        return f"expiry {claim['expiry']!r}"
     moment = claim.get("time")
-    if not _is_number(moment) or moment > time.time() + _proc.owner_expiry():  # a time to come pins it too
+    if not _is_number(moment) or moment > time.time() + _claim_expiry(claim):  # a time to come pins it too
         return f"time {moment!r}"
     if not isinstance(claim.get("token", ""), str) or not isinstance(claim.get("worker", 0), int):
         return "token or worker"
     return None
 
 
+def _claim_expiry(claim: dict[str, Any]) -> float:
+    """The owner expiry a claim's owner beats for, as it stored it: one job's setting never
+    judges another job's claims (a claim of older growcache, with none, gets this process's)."""
+    return _proc.stored_expiry(claim.get("expiry")) or _proc.owner_expiry()
+
+
 def _prune(state: dict[str, Any], live: set[int]) -> None:
     """Forget held pieces whose shard was evicted, and claims whose owner is gone: its process
-    ended, or its heartbeat is older than the owner expiry (wherever it runs)."""
+    ended, or its heartbeat is older than the expiry it stored (wherever it runs)."""
     for path in list(state["held"]):
         entry = state["held"][path]
         entry["pieces"] = [p for p in entry["pieces"] if p[0] in live]
         if not entry["pieces"] and entry.get("end") != 0:
             del state["held"][path]
-    now, expiry = time.time(), _proc.owner_expiry()
+    now = time.time()
     for path, claim in list(state["claims"].items()):
+        expiry = _claim_expiry(claim)
         stale = now - claim["time"] > expiry
-        if stale or not _proc.is_alive(claim["pid"], claim.get("start_time"), claim.get("host"), claim["time"]):
+        if stale or not _proc.is_alive(claim["pid"], claim.get("start_time"), claim.get("host"), claim["time"],
+                                       expiry):
             logger.info("%s: the fetch of %s by pid %s ended without finishing%s; it is fetched again (only its "
                         "missing pieces)", state["source"], path, claim["pid"],
                         " (no heartbeat for longer than the owner expiry)" if stale else "")

@@ -66,6 +66,17 @@ def test_a_tampered_pass_order_never_fetches_a_file_outside_the_glob(tmp_path, c
     assert "secret is not in the store's listing" in caplog.text
 
 
+def _one_of_two_fetched(tmp_path) -> tuple[dict, Cache, TFRecordShardSource, str]:
+    """A pass over two remote files with one fetched: ``(remote, cache, source, the other's path)``."""
+    remote = make_remote(tmp_path / "remote", 2)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    state = state_of(cache, source)
+    (rest,) = [p for p in state["order"] if p not in state["done"]]
+    return remote, cache, source, rest
+
+
 @pytest.mark.parametrize("claim", [
     {"time": None, "host": "another-machine"},  # pinned the shard forever
     {"time": "yesterday", "host": "another-machine"},  # a raw TypeError ended the pool
@@ -74,12 +85,7 @@ def test_a_tampered_pass_order_never_fetches_a_file_outside_the_glob(tmp_path, c
     {"pid": 1, "start_time": None, "time": 0},  # pid 1 lives forever; its heartbeat is decades old
 ])
 def test_a_damaged_claim_counts_as_expired_with_a_warning(tmp_path, caplog, claim):
-    remote = make_remote(tmp_path / "remote", 2)
-    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
-    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
-    fetch_once(source, cache)
-    state = state_of(cache, source)
-    (rest,) = [p for p in state["order"] if p not in state["done"]]
+    remote, cache, source, rest = _one_of_two_fetched(tmp_path)
     planted = {"pid": os.getpid(), "start_time": None, "host": None, "time": time.time(), "worker": 0}
     _plant(cache, source, claims={rest: {**planted, **claim}})
     with caplog.at_level("INFO", logger="growcache"):
@@ -298,3 +304,17 @@ def test_a_probe_passes_over_one_bad_first_shard(tmp_path, caplog):
     (tmp_path / "remote" / "train-00001-of-00002").write_bytes(b"damaged" * 20)
     with pytest.raises(CorruptShardError, match="train-00000-of-00002"):
         source.probe(SCHEMA)  # every shard bad: the first one's error
+
+
+def test_a_claim_is_judged_by_the_expiry_its_owner_stored_not_by_this_jobs_setting(tmp_path, monkeypatch):
+    # Liveness from evidence in the file (issue 28): a job with a short GROWCACHE_OWNER_EXPIRY
+    # took over the claims of another machine's job that beats for longer, and both copied.
+    remote, cache, source, rest = _one_of_two_fetched(tmp_path)
+    monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", "5")  # this job judges owners quickly
+    beat = {"pid": 4242, "start_time": None, "host": "another-machine", "time": time.time() - 60, "worker": 0,
+            "token": "theirs"}
+    _plant(cache, source, claims={rest: {**beat, "expiry": 3600}})  # its owner beats for an hour: alive
+    assert fetch_once(source, cache) == []
+    assert rest in state_of(cache, source)["claims"]
+    _plant(cache, source, claims={rest: beat})  # older growcache stored no expiry: this job's own 5 s
+    assert len(fetch_once(source, cache)) == 1
