@@ -748,11 +748,28 @@ def prepare(spec: dict) -> dict:
     return {"available": True, "versions": versions()}
 
 
+def run_metrics_ab(spec: dict) -> dict:
+    """growcache's torch loader with its input figures on against off, alternating epochs
+    (benchmarks/metrics_overhead.py's alternate_on_off), on the first shard set."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from metrics_overhead import alternate_on_off
+
+    import growcache
+
+    size = spec["sizes"][0]
+    with growcache.make_torch_loader(growcache.Cache(size["cache"]), size["batch_size"],
+                                     num_workers=spec["workers"]) as loader:
+        mbps = alternate_on_off(loader, spec["repeats"],
+                                lambda batch: batch["x"].numel() * batch["x"].element_size())
+    return {"available": True, "label": size["label"], "workers": spec["workers"], "MBps": mbps}
+
+
 def main(argv: list[str]) -> int:
     with open(argv[1]) as f:
         spec = json.load(f)
     try:
-        modes = {"growth": run_growth, "prepare": prepare, "contender": run_contender}
+        modes = {"growth": run_growth, "prepare": prepare, "contender": run_contender,
+                 "metrics_ab": run_metrics_ab}
         result = modes[spec["mode"]](spec)
     except Exception as exc:  # reported, not hidden: the orchestrator prints and records it
         result = {"available": False, "failed": True, "reason": f"{type(exc).__name__}: {exc}",

@@ -115,22 +115,33 @@ def loader_on_off(mib: int, repeats: int) -> dict[str, dict[str, float]]:
             with cache.writer(durable=False) as writer:
                 for _ in range(64):
                     writer.write({"x": payload})
-        rates: dict[str, list[float]] = {"on": [], "off": []}
         with growcache.make_torch_loader(cache, 16, num_workers=2) as loader:
-            meter = loader._meter
-            on = (meter.begin, meter.timed)
-            off = (lambda *args: None, lambda batches, epoch: batches)
-            for _ in loader:  # warm-up: workers, page cache
-                pass
-            for i in range(2 * repeats):
-                mode = "on" if i % 2 == 0 else "off"
-                meter.begin, meter.timed = on if mode == "on" else off
-                start, nbytes = time.perf_counter(), 0
-                for batch in loader:
-                    nbytes += batch["x"].numel()
-                rates[mode].append(nbytes / (time.perf_counter() - start) / 1e6)
-    return {mode: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
-            for mode, v in rates.items()}
+            return alternate_on_off(loader, repeats, lambda batch: batch["x"].numel())
+
+
+def alternate_on_off(loader, repeats: int, nbytes_of) -> dict[str, dict[str, float]]:
+    """MB/s of ``loader``'s epochs (a growcache torch loader) with its input figures on and off:
+    one warm-up epoch, then ``2 * repeats`` epochs alternating on, off (off: the loader's meter
+    bypassed); median, min and max of each. ``nbytes_of(batch)`` counts a batch's bytes.
+    Shared with ``benchmarks/throughput.py --metrics-ab``."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    meter = loader._meter
+    on = (meter.begin, meter.timed)
+    off = (lambda *args: None, lambda batches, epoch: batches)
+    try:
+        for _ in loader:  # warm-up: workers, page cache
+            pass
+        for i in range(2 * repeats):
+            mode = "on" if i % 2 == 0 else "off"
+            meter.begin, meter.timed = on if mode == "on" else off
+            start, nbytes = time.perf_counter(), 0
+            for batch in loader:
+                nbytes += nbytes_of(batch)
+            rates[mode].append(nbytes / (time.perf_counter() - start) / 1e6)
+    finally:
+        meter.begin, meter.timed = on
+    return {mode: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1),
+                   "repeats": len(v)} for mode, v in rates.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -48,7 +48,7 @@ Usage::
 
     python benchmarks/throughput.py [--total 2GiB] [--repeats 3] [--json out.json] [--plots DIR]
                                     [--dir SCRATCH] [--update-docs] [--quick] [--no-cold]
-                                    [--workers 2,4,8,12] [--device cuda]
+                                    [--workers 2,4,8,12] [--device cuda] [--metrics-ab N]
 """
 
 from __future__ import annotations
@@ -177,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks that it runs")
     parser.add_argument("--no-cold", dest="cold", action="store_false",
                         help="skip the cold-cache epoch (files evicted from the page cache) of each contender")
+    parser.add_argument("--metrics-ab", type=int, default=0, metavar="N",
+                        help="also run growcache's torch loader (2 workers, first record size) with its input figures "
+                             "on and off in alternating epochs, N of each: median MB/s and min-max (issue 31)")
     growth = parser.add_argument_group("growth scenario")
     growth.add_argument("--no-growth", dest="growth", action="store_false", help="skip the growth scenario")
     growth.add_argument("--growth-seconds", type=float, default=20, help="training time per adapter (default 20)")
@@ -751,6 +754,8 @@ def markdown(results: dict) -> str:
               "Passed: no contender's median beats the limit (the highest repeat of either of "
               f"{' and '.join(LIMITS)}), warm or cold.",
               "", "### Targets", "", targets_table(results["targets"]), ""]
+    if results.get("metrics_ab"):
+        lines += ["### Input figures on against off", "", metrics_ab_text(results["metrics_ab"]), ""]
     if results.get("growth"):
         g = results["args"]
         lines += ["### Growth scenario", "",
@@ -759,6 +764,18 @@ def markdown(results: dict) -> str:
                   f"{g['growth_seconds']:.0f} s, sleeping {g['growth_step_ms']:.0f} ms per batch as a model's compute. "
                   "MB/s counts the sleep; read MB/s leaves it out.", "", growth_table(results)]
     return "\n".join(lines)
+
+
+def metrics_ab_text(ab: dict) -> str:
+    """Markdown of ``--metrics-ab``: MB/s with growcache's input figures on and off."""
+    if not ab.get("available"):
+        return f"Not measured: {ab.get('reason')}"
+    on, off = ab["MBps"]["on"], ab["MBps"]["off"]
+    return (f"growcache make_torch_loader, {ab['workers']} workers, {ab['label']} records, epochs alternating "
+            f"metrics on and off, {on['repeats']} each: on **{on['median']:.1f} MB/s** "
+            f"({on['min']:.1f}-{on['max']:.1f}), off **{off['median']:.1f} MB/s** ({off['min']:.1f}-{off['max']:.1f}), "
+            f"on/off {on['median'] / off['median']:.3f}. Run-to-run noise is several percent: evidence, not the "
+            "target (that is benchmarks/metrics_overhead.py's per-batch cost).")
 
 
 def update_docs(results: dict, docs_dir: str) -> None:
@@ -831,6 +848,10 @@ def main(args: argparse.Namespace) -> dict:
                 results["raw"][name] = _merge_rounds(results["raw"].get(name), raw)
                 if not raw.get("available"):
                     logger.warning("%s unavailable: %s", name, raw.get("reason"))
+        if args.metrics_ab:
+            logger.info("metrics on against off, %d epochs each", args.metrics_ab)
+            spec = {"mode": "metrics_ab", "sizes": list(sets.values()), "repeats": args.metrics_ab, "workers": 2}
+            results["metrics_ab"] = _run_worker(spec, scratch, args.timeout)
         results["figures"] = figures_of(results, sets, names)
         results["figures_cold"] = figures_of(results, sets, names, cold=True) if args.cold else {}
         results["limit_violations"] = limit_violations(results)

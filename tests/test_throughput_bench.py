@@ -210,3 +210,23 @@ def test_outputs(quick, tmp_path):
     assert "Hand-written reading stays." in text
     assert text.count(bench.DOC_BEGIN) == 1 and text.count(bench.DOC_END) == 1
     assert (docs / "img" / "throughput.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_metrics_on_against_off(tmp_path):
+    """--metrics-ab N: growcache's torch loader with its input figures on and off, alternating
+    epochs; both medians and their min-max in the JSON and the markdown."""
+    pytest.importorskip("torch")
+    bench = _load()
+    args = bench.parse_args(["--quick", "--contenders", "plain_read", "--no-growth", "--no-cold",
+                             "--sizes", "1MiB", "--metrics-ab", "2", "--json", str(tmp_path / "r.json")])
+    results = bench.main(args)
+    with open(tmp_path / "r.json") as f:
+        ab = json.load(f)["metrics_ab"]
+    assert ab["available"], ab.get("reason")
+    for mode in ("on", "off"):
+        figure = ab["MBps"][mode]
+        assert figure["repeats"] == 2
+        assert 0 < figure["min"] <= figure["median"] <= figure["max"]
+        assert f"{figure['median']:.1f} MB/s** ({figure['min']:.1f}-{figure['max']:.1f})" in results["markdown"]
+    assert "### Input figures on against off" in results["markdown"]
