@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import textwrap
@@ -55,10 +56,23 @@ def _framework_imports(path: Path) -> list[str]:
 
 def test_no_core_module_imports_a_framework_anywhere():
     # Importing the modules (above) only sees top-level imports; an import inside a function
-    # runs later, in a training process or a sampler worker. Read every module's source instead.
-    modules = sorted(Path(growcache.__file__).parent.rglob("*.py"))
-    assert len(modules) > 10
-    offenders = [hit for path in modules for hit in _framework_imports(path)]
+    # runs later, in a training process or a sampler worker. Read every module's source instead,
+    # in a fresh interpreter: in a full run, CPython 3.11's ast.parse raised "SystemError: AST
+    # constructor recursion depth mismatch" after earlier tests had moved the recursion limit.
+    result = _run(
+        f"""
+        import json, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import growcache
+        from test_package import _framework_imports
+        modules = sorted(Path(growcache.__file__).parent.rglob("*.py"))
+        print(json.dumps([len(modules), [hit for path in modules for hit in _framework_imports(path)]]))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    count, offenders = json.loads(result.stdout)
+    assert count > 10
     assert offenders == [], "growcache/ must stay framework-free; move this to adapters/: " + ", ".join(offenders)
 
 
