@@ -115,9 +115,9 @@ _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
 _RATE_WINDOW_S = 5.0
-_STATS_FILE_S = 1.0
-_FIRST_SHARD_AGE_S = 1.0
-_SERIAL_CLAIMS = 8  # indices a worker drawing one sample at a time claims under one lock  # a worker's first shard is published after at most this long  # the stats file is rewritten this often
+_STATS_FILE_S = 1.0  # the stats file is rewritten this often
+_FIRST_SHARD_AGE_S = 1.0  # a worker's first shard: after a tenth of max_shard_age, or this if longer
+_SERIAL_CLAIMS = 8  # indices a worker drawing one sample at a time claims under one lock
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 # After stop(), a worker still inside one sample call this long is interrupted (a silent store).
 _INTERRUPT_AFTER_S = 0.5
@@ -423,8 +423,9 @@ class SamplerPool:
             ``"256MB"``). Default: ``"256MB"``, or a quarter of the cache's capacity if
             that is smaller.
         max_shard_age: seconds after its first record a shard is published even if
-            small, so the first epoch has shards soon (a worker's first shard: after at most
-            1 s); ``None`` for size only. Default: ``10.0``.
+            small, so the first epoch has shards soon (a worker's first shard: after a tenth
+            of it, or 1 s if that is longer: 1 s at the default); ``None`` for size only.
+            Default: ``10.0``.
         seed: seed of every worker's RNG stream (see :func:`worker_rng`). The cache counts
             the pools started on it, and the count is part of every stream's seed: a pool
             resumed on a cache that already holds samples draws new ones instead of replaying
@@ -1327,7 +1328,9 @@ class _SampleLoop:
         if age is None or self.writer is None:
             return False
         if not self.counters[self.base + _SHARDS]:
-            age = min(age, _FIRST_SHARD_AGE_S)  # epoch 1 waits for the first shard: publish it soon
+            # Epoch 1 waits for the first shard: publish it soon, yet in proportion to an age the
+            # user chose (an hour's max_shard_age is not rotated after 1 s).
+            age = min(age, max(_FIRST_SHARD_AGE_S, age / 10))
         return time.monotonic() - self.opened + expected_s >= age
 
     def figures(self, force: bool = False) -> None:
