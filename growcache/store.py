@@ -9,13 +9,14 @@ build on it; it depends on none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -234,33 +235,28 @@ class StoreSource(Source):
                 pause = attempts.pause_after(exc)
             await asyncio.sleep(pause)
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        """One request: counted in flight by the sample's flow, timed if it is answered."""
         ticket = current_ticket()
         if ticket is not None:
             ticket.flow.request_started()
         began, latency = time.monotonic(), None
         try:
-            result = fn()
+            yield
             latency = time.monotonic() - began
         finally:
             if ticket is not None:
                 ticket.flow.request_ended(latency)
         self._answered()
-        return result
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        with self._request():
+            return fn()
 
     async def _atimed(self, fn: Callable[[], Any]) -> Any:
-        ticket = current_ticket()
-        if ticket is not None:
-            ticket.flow.request_started()
-        began, latency = time.monotonic(), None
-        try:
-            result = await fn()
-            latency = time.monotonic() - began
-        finally:
-            if ticket is not None:
-                ticket.flow.request_ended(latency)
-        self._answered()
-        return result
+        with self._request():
+            return await fn()
 
     def _on_retry(self, what: str, url: str, exc: BaseException, attempt: int, delay: float) -> None:
         self._count(retries=1)

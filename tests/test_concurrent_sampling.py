@@ -65,8 +65,8 @@ def _sample_all(tmp_path, name, source, *, workers, concurrency, count, seed=11,
     return cache, stats
 
 
-@pytest.mark.parametrize("concurrency,workers", [(1, 1), (8, 1), (32, 1), (1, 2), (8, 2), (32, 2)])
-def test_same_records_at_any_concurrency_and_worker_count_on_local_files(tmp_path, concurrency, workers):
+def _local_arrays(tmp_path):
+    """The test's arrays in a local folder (``tmp_path / "store"``), which it returns."""
     store = tmp_path / "store"
     store.mkdir()
 
@@ -75,6 +75,12 @@ def test_same_records_at_any_concurrency_and_worker_count_on_local_files(tmp_pat
         return str(store / name)
 
     _arrays(put)
+    return store
+
+
+@pytest.mark.parametrize("concurrency,workers", [(1, 1), (8, 1), (32, 1), (1, 2), (8, 2), (32, 2)])
+def test_same_records_at_any_concurrency_and_worker_count_on_local_files(tmp_path, concurrency, workers):
+    store = _local_arrays(tmp_path)
     source = NpyWindowSource(str(store / "*.npy"), WINDOW)
     # Enough samples that both workers of a pair draw some (the second starts a little later).
     cache, stats = _sample_all(tmp_path, "c", source, workers=workers, concurrency=concurrency, count=1500)
@@ -274,14 +280,7 @@ def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_pa
 def test_growcache_sample_concurrency_flag(tmp_path):
     from growcache.cli import main
 
-    store = tmp_path / "store"
-    store.mkdir()
-
-    def put(name, data):
-        (store / name).write_bytes(data)
-        return str(store / name)
-
-    _arrays(put)
+    store = _local_arrays(tmp_path)
     cache_dir = tmp_path / "cli"
     assert main(["sample", "-q", f"file://{store}/*.npy", str(cache_dir), "--capacity", "16MB", "--window",
                  str(WINDOW), "--records", "90", "--concurrency", "8", "--workers", "2", "--seed", "4"]) == 0
