@@ -14,11 +14,17 @@ calls so that they see one training run: ``on_train_begin``/``on_train_end`` onc
 :class:`InputStatsCallback` adds growcache's figures of each epoch (is training waiting on
 data? how fresh is what it trains on?) to the epoch's logs, so that ``History``,
 ``TensorBoard`` and ``CSVLogger`` record them.
+
+:class:`BackupAndRestore` is Keras's ``BackupAndRestore`` that also saves the dataset's
+position in the epoch, so that a run killed mid-epoch resumes at the batch it stopped at
+(Keras's own restores only the epoch number).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +35,7 @@ import tensorflow as tf
 from growcache.epoch import trainer_epoch
 from growcache.metrics import DEFAULT_LOGGED, TrainerSource
 
-__all__ = ["InputStatsCallback", "fit_growing"]
+__all__ = ["BackupAndRestore", "InputStatsCallback", "fit_growing"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,3 +194,109 @@ class InputStatsCallback(keras.callbacks.Callback):
         if figures is not None:
             values = figures.as_dict(self._prefix)
             logs.update({self._prefix + n: values[self._prefix + n] for n in self._names if self._prefix + n in values})
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """``keras.callbacks.BackupAndRestore`` that also saves and restores the dataset's position.
+
+    Keras's own saves the weights every ``save_freq`` batches, but restores only the epoch
+    number: a run killed mid-epoch trains that epoch again from its start, on the batches it
+    had trained on. This one saves the dataset's ``state_dict()`` with the weights, at the same
+    moment, and on restore loads it, so the restored epoch goes on with the batch after the
+    save, batch by batch as the uninterrupted run would have, on the saved snapshot::
+
+        ds = growcache.make_tf_dataset(cache, 256, label="y")
+        growcache.fit_growing(model, ds, epochs=50,
+                              callbacks=[BackupAndRestore("/ckpt/backup", ds, save_freq=500)])
+
+    Train with :func:`growcache.fit_growing` (plain ``fit`` cuts every epoch after the first at
+    the first's step count, and the first is the short rest of the restored one).
+
+    A backup is the weights (two files, written in turn) and ``training_metadata.json`` naming
+    the current one, with the epoch and the dataset's state; the metadata is written whole
+    and renamed into place, so a kill at any moment leaves the previous or the new backup,
+    never weights of one and the position of another.
+
+    Args:
+        backup_dir: a local directory for this run's backup only, as Keras's.
+        dataset: the dataset :func:`growcache.make_tf_dataset` returned (before any ``map``:
+            the one whose ``state_dict`` it calls); what training reads may be mapped from it.
+        save_freq: ``"epoch"`` or a number of batches, as Keras's. Default: ``"epoch"``.
+        delete_checkpoint: delete the backup when training ends. Default: ``True``.
+        on_missing: what loading the state does when shards of the saved epoch are gone:
+            ``"raise"`` or ``"skip"`` (see ``load_state_dict``). Default: ``"raise"``.
+
+    Raises:
+        TypeError: ``dataset`` has no ``state_dict``/``load_state_dict``.
+    """
+
+    _METADATA = "training_metadata.json"
+    _SLOTS = ("weights-a.weights.h5", "weights-b.weights.h5")
+
+    def __init__(self, backup_dir: str | os.PathLike, dataset: Any, *, save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True, on_missing: str = "raise") -> None:
+        if not callable(getattr(dataset, "state_dict", None)) or not callable(getattr(dataset, "load_state_dict", None)):
+            raise TypeError("BackupAndRestore needs the dataset growcache.make_tf_dataset returned (it has state_dict "
+                            f"and load_state_dict; a mapped dataset has not), got {type(dataset).__name__}")
+        super().__init__(os.fspath(backup_dir), save_freq=save_freq, delete_checkpoint=delete_checkpoint)
+        self.dataset = dataset
+        self.on_missing = on_missing
+        self._steps = 0  # batches taken in this epoch from its iterator
+        self._slot: str | None = None  # the weights file the metadata names
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Restore the weights, the epoch and the dataset's position from the backup, if any."""
+        self.dataset.state_dict()  # from now on the dataset's epochs end when training is done with them
+        self._load_model()
+
+    def _load_model(self) -> None:
+        path = os.path.join(self.backup_dir, self._METADATA)
+        if not os.path.exists(path):
+            return
+        if not self.model.built:
+            raise ValueError(f"to restore from {self.backup_dir}, build the model before fit() (call it on a batch)")
+        with open(path) as f:
+            metadata = json.load(f)
+        if not isinstance(metadata, dict) or metadata.get("weights") not in self._SLOTS \
+                or not isinstance(metadata.get("epoch"), int) or "growcache" not in metadata:
+            raise ValueError(f"{path} is not a backup of growcache's BackupAndRestore: delete {self.backup_dir} to "
+                             "start afresh")
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)  # its variables exist before loading
+        self.model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
+        self.dataset.load_state_dict(metadata["growcache"], on_missing=self.on_missing)
+        self._slot = metadata["weights"]
+        self.model._initial_epoch = self._current_epoch = metadata["epoch"]
+        logger.info("restored from %s: epoch %d, the dataset at batch %d of it", self.backup_dir, metadata["epoch"],
+                    metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # Keras's counts epochs only at their ends: a restored run's saves named epoch 0 until one ended.
+        self._current_epoch = epoch
+        self._steps = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._steps = batch + 1  # Keras's steps restart at 0 in a restored epoch: the dataset adds the saved ones
+        super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if self.save_freq != "epoch":
+            self.dataset.state_dict(consumed=self._steps)  # tells the dataset training is done with the epoch
+
+    def _save_model(self) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)
+        slot = self._SLOTS[1] if self._slot == self._SLOTS[0] else self._SLOTS[0]
+        weights = os.path.join(self.backup_dir, slot)
+        self.model.save_weights(weights, overwrite=True)
+        with open(weights, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before the metadata names it
+        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen, "weights": slot,
+                    "growcache": self.dataset.state_dict(consumed=self._steps)}
+        path = os.path.join(self.backup_dir, self._METADATA)
+        with open(path + ".tmp", "w") as f:
+            json.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)  # the commit: the weights it names are written whole
+        self._slot = slot

@@ -31,6 +31,7 @@ from growcache.epoch import EpochOptions, Epochs, require_shards, resolve_schema
 from growcache.errors import SchemaError
 from growcache.example import ExampleCodec, tf_parse_plan
 from growcache.pull_feed import IteratorEpochs, SlabFeed
+from growcache.resume import DEFAULT_RESUME_TTL
 from growcache.schema import Schema
 
 __all__ = ["make_tf_dataset"]
@@ -64,6 +65,7 @@ def make_tf_dataset(
     split: str = "shared",
     run_id: str | None = None,
     reader: str = "growcache",
+    resume_ttl: float = DEFAULT_RESUME_TTL,
 ) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` over a growcache cache; each iterator reads a fresh snapshot.
 
@@ -100,6 +102,8 @@ def make_tf_dataset(
             a Python call per batch, handed over without a copy (a schema with ``int64_list``
             features has no fixed layout: TensorFlow reads it). ``"tensorflow"``:
             ``TFRecordDataset`` and batched ``parse_example``. Default: ``"growcache"``.
+        resume_ttl: seconds each epoch's snapshot stays pinned in the cache from the epoch's
+            first ``ds.state_dict()``, as in ``make_torch_loader``. Default: 12 hours.
 
     The epoch arguments (``shuffle_buffer``, ``seed``, ``drop_remainder`` as ``drop_last``,
     ``verify``, ``on_corrupt`` into ``skipped``, ``wait_for_shards``, ``split``, ``run_id``)
@@ -113,6 +117,15 @@ def make_tf_dataset(
         shards; its ``epochs`` (a :class:`~growcache.epoch.Epochs`) says what each epoch read:
         ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``; its
         ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
+        Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise")``
+        save and restore the exact position in an epoch, with the state of a torch loader's
+        ``state_dict()`` (:meth:`growcache.pull_feed.IteratorEpochs.state_dict`): an eager loop's
+        batches are counted as it takes them; under Keras or a ``tf.function`` pass ``consumed``,
+        the batches taken from the current iterator (the Keras callback
+        :class:`growcache.adapters.keras.BackupAndRestore` does). The first iterator after
+        ``load_state_dict`` finishes the saved epoch, batch by batch as the uninterrupted run
+        would have; ``reader="tensorflow"`` reads that epoch again from its start and drops the
+        consumed batches (see docs/tensorflow.md).
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.
@@ -132,6 +145,8 @@ def make_tf_dataset(
         raise ValueError("block_length and cycle_length must be >= 1")
     if reader not in _READERS:
         raise ValueError(f"reader must be one of {_READERS}, got {reader!r}")
+    if isinstance(resume_ttl, bool) or not isinstance(resume_ttl, (int, float)) or not 0 <= resume_ttl <= 10**9:
+        raise ValueError(f"resume_ttl must be seconds >= 0, got {resume_ttl!r}")
     require_shards(cache, wait_for_shards)
     world = (input_context.input_pipeline_id, input_context.num_input_pipelines) if input_context else (0, 1)
     vectorized = reader == "growcache" and ExampleCodec(schema).fixed_layout
@@ -140,7 +155,7 @@ def make_tf_dataset(
     readers = 1 if world[1] > 1 or not vectorized else cycle_length or min(max((os.cpu_count() or 1) // 2, 1), 4)
     epochs = Epochs(cache, options, readers=readers, world=world, schema=schema,
                     holder=f"tf pipeline {world[0]}/{world[1]}", abandon_hint=_ABANDONED)
-    iterators = IteratorEpochs(epochs)
+    iterators = IteratorEpochs(epochs, replays=not vectorized, resume_ttl=float(resume_ttl))
     if vectorized:
         ds = _vectorized(iterators, label, readers, deterministic)
     else:
@@ -149,6 +164,7 @@ def make_tf_dataset(
     ds = _ErrorMappingDataset(ds.prefetch(tf.data.AUTOTUNE), iterators)
     ds.skipped = ds.corrupt_shards = epochs.skipped
     ds.epochs, ds.stats = epochs, iterators.meter.stats  # after ds.map(): growcache.input_stats(cache)
+    ds.state_dict, ds.load_state_dict = iterators.state_dict, iterators.load_state_dict
     return ds
 
 
@@ -167,7 +183,7 @@ def _tensorflow(iterators: IteratorEpochs, label: str | None, cycle: int, block_
             tf.numpy_function(iterators.checked_path, [path], tf.string, stateful=True), []))
         return files.filter(lambda path: tf.strings.length(path) > 0)
 
-    def read_epoch(token, paths, top_up_paths, quota, shuffle_seed):
+    def read_epoch(token, paths, top_up_paths, quota, shuffle_seed, skip):
         records = shard_files(paths).interleave(
             lambda path: read(path, buffer_size=read_buffer), cycle_length=cycle, block_length=block_length,
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
@@ -180,8 +196,10 @@ def _tensorflow(iterators: IteratorEpochs, label: str | None, cycle: int, block_
             records = records.concatenate(more.repeat()).take(quota)
         if spec.shuffle_buffer:
             records = records.shuffle(spec.shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
-        # Batched here, so the stages after flat_map cost a call per batch, not per record.
-        return records.batch(spec.batch_size, drop_remainder=options.drop_last)
+        # Batched here, so the stages after flat_map cost a call per batch, not per record. A resumed
+        # epoch is read again from its start (TFRecordDataset cannot seek, and the interleave and the
+        # shuffle mix shards): the batches consumed before the save are dropped unparsed.
+        return records.batch(spec.batch_size, drop_remainder=options.drop_last).skip(skip)
 
     # With drop_remainder every batch is full: keep that static, as Dataset.batch would.
     parse = _batch_parser(spec.schema, label, spec.batch_size if options.drop_last else -1)
@@ -281,24 +299,30 @@ def _epoch_reader(iterators: IteratorEpochs, start: Any, spec: tuple[tf.TensorSp
 
 
 _SHARE = (tf.TensorSpec([], tf.int64), tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string),
-          tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64))  # token, paths, top up, quota, shuffle seed
+          tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64),
+          tf.TensorSpec([], tf.int64))  # token, paths, top up, quota, shuffle seed, batches to skip
 
 
 class _Iterator(iterator_ops.OwnedIterator):
     """An eager iterator that raises growcache's own errors (``EmptyCacheError``,
-    ``CorruptShardError``...) instead of the ``tf.errors.OpError`` TensorFlow wraps them in."""
+    ``CorruptShardError``...) instead of the ``tf.errors.OpError`` TensorFlow wraps them in,
+    and counts the batches it hands over for ``state_dict()``."""
 
     def __init__(self, dataset: tf.data.Dataset, iterators: IteratorEpochs) -> None:
         self._growcache_iterators = iterators
+        self._growcache_epoch = None  # the epoch this iterator reads, known at its first batch
         super().__init__(dataset)
 
     def _next_internal(self):
-        meter = self._growcache_iterators.meter  # eager: the wait is timed at next(), exactly
+        iterators = self._growcache_iterators
+        meter = iterators.meter  # eager: the wait is timed at next(), exactly
         started = meter.clock()
         try:
             batch = super()._next_internal()
         except tf.errors.OutOfRangeError:
             meter.next_done(started, False)
+            if self._growcache_epoch is not None:
+                iterators.done(self._growcache_epoch)
             raise
         except tf.errors.OpError as exc:
             error = self._growcache_iterators.error_for(exc.message)
@@ -306,7 +330,13 @@ class _Iterator(iterator_ops.OwnedIterator):
                 raise
             raise error from None  # TensorFlow has logged its own copy of the traceback
         meter.next_done(started, True)
+        if tf.executing_eagerly():  # traced into a tf.function (Keras), it runs once: the caller counts
+            self._growcache_epoch = iterators.took(self._growcache_epoch)  # handed to the loop, not prefetched
         return batch
+
+    def __del__(self) -> None:
+        if self._growcache_epoch is not None:  # dropped: an epoch held open for this loop ends
+            self._growcache_iterators.done(self._growcache_epoch)
 
 
 class _ErrorMappingDataset(dataset_ops.UnaryUnchangedStructureDataset):

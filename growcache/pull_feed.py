@@ -10,7 +10,8 @@ its own number in the low):
   over, lets the iterator leave at the first of its second pull (the epoch was read out) and
   its teardown, checks a shard before a reader growcache does not control opens it, and
   keeps the growcache errors raised inside the framework so the adapter can raise them as
-  themselves.
+  themselves. It saves and loads the pipeline's exact mid-epoch position
+  (:meth:`~IteratorEpochs.state_dict`, :mod:`growcache.resume`'s state).
 * :class:`SlabFeed` reads an iterator's shares with growcache's own readers, one batch per
   call, into slots of slabs it reuses across epochs: a batch costs no copy beyond the
   reader's own.
@@ -27,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from . import epoch as _epoch
 from .batching import Skipped
 from .epoch import Epoch, Epochs
-from .errors import GrowcacheError
+from .errors import GrowcacheError, MissingShardsError
 from .metrics import InputMeter
 from .readers import slab_batches
+from .resume import DEFAULT_RESUME_TTL, keep_pin, load_state, loader_state, pin_epoch, release_kept_pins
 from .transport import COPY_BELOW, BatchLayout, Slab
 
 __all__ = ["IteratorEpochs", "SlabFeed"]
@@ -49,41 +52,73 @@ class IteratorEpochs:
 
     Args:
         epochs: the pipeline's :class:`~growcache.epoch.Epochs`.
+        replays: the pipeline's reader cannot pass over what an epoch delivered before a save
+            (``reader="tensorflow"``): a resumed epoch is read again from its start and the
+            consumed batches dropped (:meth:`start_share`'s skip), so its pin keeps every shard
+            of the epoch. Default: ``False``.
+        resume_ttl: seconds an epoch's snapshot stays pinned from its first :meth:`state_dict`
+            (``0``: no pin). Default: :data:`~growcache.resume.DEFAULT_RESUME_TTL`.
 
     Attributes:
         on_leave: called with an iterator's token once it left its epoch. Default: ``None``.
         meter: the pipeline's :class:`~growcache.metrics.InputMeter` (its stall and freshness figures).
     """
 
-    def __init__(self, epochs: Epochs) -> None:
+    def __init__(self, epochs: Epochs, *, replays: bool = False, resume_ttl: float = DEFAULT_RESUME_TTL) -> None:
         self.epochs = epochs
+        self.replays = replays
+        self.resume_ttl = resume_ttl
         self.on_leave: Callable[[int], None] | None = None
         self.meter = InputMeter(epochs)
         self._lock = threading.Lock()
         self._emitted: set[int] = set()
         self._finished: set[int] = set()
         self._errors: list[GrowcacheError] = []  # raised inside the framework, to raise as themselves
+        # Once a state is asked for or loaded, or an eager loop counts its batches, an epoch read
+        # out ends when its consumer is done with it, not when its last batch leaves the read
+        # stages: the framework's prefetch still holds batches a state saved then must count as
+        # unread, whose shards it keeps.
+        self._follow = False
+        self._held: dict[int, Epoch] = {}  # epoch token -> epoch read out, its consumer behind
+        self._base: dict[int, int] = {}  # epoch token -> Epoch.consumed at its start (a resume's progress)
 
     def begin(self) -> tuple[Epoch, np.int64]:
         """Start (or join) an epoch for a new iterator; return it and the iterator's token."""
+        self._end_held()  # a new iterator: the consumer is done with the earlier ones
         try:
-            epoch = self.epochs.start()
+            epoch = self._start()
         except GrowcacheError as exc:
             self.note(exc)
             raise
+        release_kept_pins(epoch)  # the run went on: states of its earlier epochs are stale
+        with self._lock:
+            self._base.setdefault(epoch.token, epoch.consumed)
         self.meter.begin(epoch)
         return epoch, np.int64(epoch.token << 32 | next(_ITERATORS))
 
+    def _start(self) -> Epoch:
+        epochs, resume = self.epochs, self.epochs.resume
+        # Epochs.start finishes a loaded state only outside a trainer_epoch block; fit_growing runs
+        # every epoch in one, and there the saved epoch's first start is the resume too.
+        if resume is not None and _epoch._pinned == resume.epoch \
+                and not any(e.number == resume.epoch for e in epochs.open_epochs()):
+            epochs.resume = None
+            return resume.start(epochs)
+        return epochs.start()
+
     def start_share(self) -> tuple[np.ndarray, ...]:
         """Begin an iterator's epoch and hand over its share: ``(token, shard paths, top-up
-        paths, quota, shuffle seed)``. The top-up paths are read only once the checked
-        records fall short of the quota; a lone pipeline's quota is all its records."""
+        paths, quota, shuffle seed, batches to skip)``. The top-up paths are read only once the
+        checked records fall short of the quota; a lone pipeline's quota is all its records. The
+        skip is the progress of a resumed epoch of a pipeline that :attr:`replays`, else ``0``."""
         epoch, token = self.begin()
         share = epoch.share(0)
         logger.debug("epoch %d pipeline %d/%d: %d of %d shards", epoch.number, self.epochs.group.world_rank,
                      self.epochs.group.world_size, len(share.shards), len(epoch.shards))
         quota = share.quota if share.quota >= 0 else share.records_owned()
-        return token, share.shard_paths(), share.cycle_paths(), np.int64(quota), np.int64(share.shuffle_seed)
+        skip = share.skip_batches if self.replays else 0
+        return (token, share.shard_paths(), share.cycle_paths(), np.int64(quota), np.int64(share.shuffle_seed),
+                np.int64(skip))
 
     def first_pull(self, token: int) -> bool:
         """Whether this is the iterator's first pull of its epoch's start: its second comes
@@ -96,16 +131,150 @@ class IteratorEpochs:
         return False
 
     def leave(self, token: int) -> np.int64:
-        """The iterator of ``token`` is done with its epoch, read to the end or torn down; once each."""
+        """The iterator of ``token`` is done with its epoch, read to the end or torn down; once each.
+
+        An epoch read out before the training loop took all its batches (they wait in the
+        framework's buffers) stays open, once states are in use, until :meth:`done`.
+        """
         with self._lock:
             self._emitted.discard(int(token))
             finished = int(token) in self._finished
             self._finished.discard(int(token))
         if self.on_leave is not None:
             self.on_leave(int(token))
-        self.epochs.leave(int(token) >> 32, finished)
-        self.meter.left(int(token) >> 32, finished)
+        number = int(token) >> 32
+        epoch = next((e for e in self.epochs.open_epochs() if e.token == number), None)
+        behind = epoch is not None and epoch.consumed < epoch.batches()
+        if finished and behind and self._follow:
+            with self._lock:
+                self._held[number] = epoch
+        else:
+            if behind and not finished:
+                keep_pin(epoch)  # dropped mid-epoch: a state saved in it may be resumed
+            self.epochs.leave(number, finished)
+        self.meter.left(number, finished)
         return np.int64(0)
+
+    def took(self, epoch: Epoch | None = None) -> Epoch | None:
+        """The training loop took a batch of ``epoch`` (default: the latest started), counted in
+        :attr:`~growcache.epoch.Epoch.consumed`: where the framework's iterator hands batches to
+        Python one by one (eager TensorFlow). Returns the epoch."""
+        self._follow = True  # the loop's progress is known from now on: epochs end with it
+        epoch = epoch if epoch is not None else self.epochs.latest
+        if epoch is not None:
+            epoch.consumed += 1
+        return epoch
+
+    def done(self, epoch: Epoch) -> None:
+        """The training loop is done with ``epoch`` (read its iterator to the end, or dropped it):
+        if the epoch was held open for it, it ends now (its pin kept if batches were left)."""
+        with self._lock:
+            held = self._held.pop(epoch.token, None)
+        if held is not None:
+            self._end(held)
+
+    def _end_held(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for epoch in held:
+            self._end(epoch)
+
+    def _end(self, epoch: Epoch) -> None:
+        if epoch.consumed < epoch.batches():
+            keep_pin(epoch)  # its iterator dropped in the epoch's tail: a state saved in it may be resumed
+        with self._lock:
+            self._base.pop(epoch.token, None)
+        self.epochs.leave(epoch.token, True)
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The state to resume this pipeline at: :func:`growcache.resume.loader_state`, the same
+        JSON-serializable dict as a torch loader's ``state_dict()``. The first call in an epoch
+        pins its snapshot for :attr:`resume_ttl` seconds.
+
+        Args:
+            consumed: batches the training loop took from the current iterator (Keras: the
+                epoch's steps so far), where the framework pulls them in compiled code; the
+                count of a resumed epoch starts after the saved progress. Default: ``None``:
+                the batches counted by :meth:`took` (an eager loop).
+
+        Raises:
+            ValueError: ``consumed`` is not an integer >= 0.
+        """
+        epochs, latest = self.epochs, self.epochs.latest
+        self._follow = True
+        if consumed is not None:
+            if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)) or consumed < 0:
+                raise ValueError(f"consumed is the batches the training loop took from the current iterator, an "
+                                 f"integer >= 0, not {consumed!r}")
+            if latest is not None:
+                with self._lock:
+                    latest.consumed = self._base.get(latest.token, 0) + int(consumed)
+        done = latest is None or latest.consumed >= latest.batches()
+        loaded = epochs.resume is not None  # a state loaded, not yet resumed: given back as loaded
+        if not done and not loaded:
+            pin_epoch(latest, self.resume_ttl)
+        # A replaying pipeline reads the resumed epoch from its start: its pin must not shrink.
+        pin = latest.pin if self.replays and not loaded and latest is not None else None
+        if pin is not None:
+            latest.pin = None
+        try:
+            state = loader_state(epochs, latest)
+        finally:
+            if pin is not None:
+                latest.pin = pin
+        if pin is not None and state["snapshot"] is not None:
+            state["pin"] = {"name": pin.name, "until": pin.until}
+        if done and latest is not None:
+            self.done(latest)
+        return state
+
+    def load_state_dict(self, state: Any, *, on_missing: str = "raise") -> None:
+        """Resume from ``state`` (from a growcache dataset's or loader's ``state_dict()``): the
+        next iterator finishes the saved epoch, batch by batch as the uninterrupted run would
+        have; ``{"epoch": N}`` starts epoch ``N``. See :func:`growcache.resume.load_state`.
+
+        Raises:
+            ValueError: a damaged field (named), another cache's state, another layout; for a
+                pipeline that :attr:`replays`, a state of another number of readers.
+            MissingShardsError: shards the rest of the epoch reads are gone (``on_missing="raise"``);
+                for a pipeline that replays, any shard of the saved epoch, whatever ``on_missing``.
+        """
+        epochs = self.epochs
+        load_state(epochs, state, on_missing=on_missing)
+        self._follow = True
+        resume = epochs.resume
+        if resume is None:
+            return
+        if resume.state["pin"] is not None:  # adopted now: not one of those the next epoch releases
+            kept = epochs.__dict__.get("_kept_pins", [])
+            kept[:] = [p for p in kept if p.name != resume.state["pin"]["name"]]
+        if self.replays:
+            try:
+                self._check_replay(resume.state)
+            except ValueError:
+                epochs.resume = None  # its pin stays until its expiry, for a dataset built to match
+                raise
+
+    def _check_replay(self, state: dict[str, Any]) -> None:
+        workers = state["plan"]["workers"]
+        if workers != self.epochs.readers:
+            raise ValueError(
+                f"resume state field 'plan.workers' is {workers}, but this dataset reads with "
+                f"{self.epochs.readers} reader(s) (reader='tensorflow', or a schema without a fixed layout): "
+                "it re-reads a resumed epoch from its start, which only keeps the saved order with the saved "
+                "readers. Build the dataset as the saved run did (reader=, cycle_length=)")
+        present = {os.path.basename(s.path) for s in self.epochs.cache.list_shards()}
+        skipped = set(state["snapshot"]["skipped"])
+        lost = [(name, records) for name, _, records in state["snapshot"]["shards"]
+                if name not in present and name not in skipped]
+        if lost:
+            names = ", ".join(name for name, _ in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+            raise MissingShardsError(
+                f"{len(lost)} shards of the saved epoch {state['epoch']} ({sum(r for _, r in lost)} records) are gone "
+                f"from cache {self.epochs.cache.path}: {names}. reader='tensorflow' reads a resumed epoch again from "
+                "its start, so it needs every shard of it (on_missing='skip' cannot keep its order): load "
+                f"{{'epoch': {state['epoch']}}} to read that epoch afresh, or reader='growcache'",
+                tuple(name for name, _ in lost), sum(r for _, r in lost))
 
     def checked_path(self, raw: bytes) -> bytes:
         """``raw`` once growcache has checked the shard, ``b""`` to skip it; raises if corrupt
