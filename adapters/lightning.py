@@ -13,9 +13,11 @@ when only that is installed; this module imports it, and ``import growcache`` ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from growcache.epoch import EpochBookkeeping
 from growcache.errors import MissingExtraError
 from growcache.metrics import DEFAULT_LOGGED, MeteredLoader, TrainerSource
 
@@ -28,6 +30,8 @@ except ImportError:  # the older package name
         raise MissingExtraError("growcache.adapters.lightning needs PyTorch Lightning: pip install lightning") from exc
 
 __all__ = ["InputStatsCallback", "ResumeCallback"]
+
+log = logging.getLogger(__name__)
 
 
 class InputStatsCallback(Callback):
@@ -75,7 +79,7 @@ class InputStatsCallback(Callback):
 
 
 class ResumeCallback(Callback):
-    """Makes a mid-epoch checkpoint resume a growcache loader at the batch the trainer stepped on.
+    """Makes a resumed Lightning run read a growcache loader where and in the order it stopped.
 
     Lightning saves ``loader.state_dict()`` in every checkpoint and restores it from one taken
     mid-epoch, but its fetcher reads one batch ahead of the step it checkpoints (Lightning issue
@@ -84,8 +88,18 @@ class ResumeCallback(Callback):
 
         trainer = lightning.Trainer(..., callbacks=[ModelCheckpoint(every_n_train_steps=500, save_last=True),
                                                     ResumeCallback()])
-        trainer.fit(model, loader, ckpt_path="last.ckpt")  # the resumed epoch goes on batch by batch
+        trainer.fit(model, datamodule=data, ckpt_path="last.ckpt")  # the resumed epoch goes on batch by batch
+
+    The first epoch of a run resumed from an end-of-epoch checkpoint starts before Lightning
+    announces its number, so ``train_dataloader()`` must set it (docs/pytorch.md's recipe:
+    ``loader.set_epoch(trainer.fit_loop.epoch_progress.current.processed)``). At every epoch's
+    first step this callback logs a WARNING when the loader reads another epoch's order
+    than the trainer's epoch.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._checked: int | None = None  # the trainer epoch whose loader epoch was checked
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
@@ -93,3 +107,25 @@ class ResumeCallback(Callback):
         for state in fit_loop.get("combined_loader") or ():
             if isinstance(state, dict) and state.get("format") == "growcache-loader" and state.get("snapshot"):
                 state["progress"] = min(int(state["progress"]), int(processed))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Warn when a growcache loader's epoch is not the trainer's (an epoch's order would repeat)."""
+        # At the epoch's first step, not its start: Lightning makes a later epoch's iterator after
+        # on_train_epoch_start.
+        if self._checked == trainer.current_epoch:
+            return
+        self._checked = trainer.current_epoch
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        elif not isinstance(loaders, Sequence):
+            loaders = [loaders]
+        for loader in loaders:
+            epoch = loader.last_epoch if isinstance(loader, EpochBookkeeping) else None
+            if epoch is not None and epoch.number != trainer.current_epoch:
+                log.warning(
+                    "trainer epoch %d reads the growcache loader's epoch %d, in that epoch's shard order: the "
+                    "loader's iterator was made before Lightning announced the epoch (a run resumed from an "
+                    "end-of-epoch checkpoint, or a reloaded loader). Set the epoch where train_dataloader() "
+                    "returns the loader: loader.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)"
+                    " (docs/pytorch.md, PyTorch Lightning)", trainer.current_epoch, epoch.number)

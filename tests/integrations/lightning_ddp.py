@@ -22,16 +22,18 @@ from conftest import write_shards  # noqa: E402
 
 
 class Data(L.LightningDataModule):
-    """docs/pytorch.md's recipe: ``train_dataloader()`` sets the trainer's epoch, so that a resumed
-    run's first epoch reads its own order (Lightning announces every later epoch itself, through
-    the loader's sampler). test_lightning.py uses it too."""
+    """docs/pytorch.md's recipe: ``train_dataloader()`` sets the epoch the trainer is about to run,
+    so that a resumed run's first epoch reads its own order (Lightning announces every later epoch
+    itself, through the loader's sampler). Not ``trainer.current_epoch``: resumed from an
+    end-of-epoch checkpoint it still names the finished epoch here. test_lightning.py,
+    test_lightning_resume.py and lightning_kill.py use it too."""
 
     def __init__(self, loader) -> None:
         super().__init__()
         self.loader = loader
 
     def train_dataloader(self):
-        self.loader.set_epoch(self.trainer.current_epoch)
+        self.loader.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
         return self.loader
 
 

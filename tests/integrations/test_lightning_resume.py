@@ -1,9 +1,20 @@
-"""A Lightning run stopped mid-epoch resumes from ``last.ckpt`` batch by batch (issue 30): Lightning
-restores the loader's state from a mid-epoch checkpoint, and ``ResumeCallback`` makes that state
-count the batches the trainer stepped on, not the one Lightning's fetcher read ahead."""
+"""A Lightning run resumes from ``last.ckpt`` where it stopped (issue 30). Mid-epoch, Lightning
+restores the loader's state, and ``ResumeCallback`` makes that state count the batches the trainer
+stepped on, not the one Lightning's fetcher read ahead. From an end-of-epoch checkpoint (what
+``ModelCheckpoint`` writes by default), the docs' ``train_dataloader()`` recipe sets the epoch the
+trainer is about to run, so the resumed epoch reads its own order, not the finished epoch's. And a
+trainer process killed with SIGKILL at a random batch resumes in a new process batch by batch,
+from a mid-epoch and from an end-of-epoch checkpoint (``lightning_kill.py``)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -14,6 +25,11 @@ L = pytest.importorskip("lightning")
 import growcache  # noqa: E402
 from conftest import write_shards  # noqa: E402
 from growcache.adapters.lightning import ResumeCallback  # noqa: E402
+from lightning_ddp import Data  # noqa: E402 - the docs' DataModule recipe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SHARDS = [37, 50, 23, 41, 60, 13, 29]  # 253 records, 32-33 batches of 8
 
 
 class Model(L.LightningModule):
@@ -21,10 +37,12 @@ class Model(L.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(32, 1)
         self.seen: list[list[int]] = []
+        self.epochs: list[int] = []  # the trainer's epoch of each batch in seen
         self.stop = stop
 
     def training_step(self, batch, index):
         self.seen.append(batch["id"].tolist())
+        self.epochs.append(self.current_epoch)
         if len(self.seen) == self.stop:
             raise RuntimeError("planted crash")  # mid-epoch: Lightning saves nothing on it
         return self.layer(batch["x"].reshape(len(batch["x"]), -1)).sum()
@@ -35,14 +53,15 @@ class Model(L.LightningModule):
 
 def _trainer(tmp_path, **kwargs) -> L.Trainer:
     warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|does not have many workers).*")
-    return L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    kwargs.setdefault("max_epochs", 1)
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0, **kwargs)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_run_stopped_mid_epoch_resumes_from_last_ckpt_batch_by_batch(id_cache, tmp_path, workers):
-    write_shards(id_cache, [37, 50, 23, 41, 60, 13, 29])
+    write_shards(id_cache, SHARDS)
 
     def loader():
         return growcache.make_torch_loader(id_cache, 8, num_workers=workers, shuffle_buffer=20, seed=3)
@@ -57,3 +76,94 @@ def test_a_run_stopped_mid_epoch_resumes_from_last_ckpt_batch_by_batch(id_cache,
     resumed = Model()
     _trainer(tmp_path, callbacks=[ResumeCallback()]).fit(resumed, loader(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert first.seen[:9] + resumed.seen == whole.seen  # the checkpoint after step 9, then the rest
+
+
+def _reference(cache, epochs: int, **options) -> list[tuple[int, list[int]]]:
+    """Each batch of ``epochs`` uninterrupted epochs, with its epoch, read without a trainer."""
+    with growcache.make_torch_loader(cache, 8, resume_ttl=0, **options) as loader:
+        return [(epoch, batch["id"].tolist()) for epoch in range(epochs) for batch in loader]
+
+
+@pytest.mark.timeout(120)
+def test_an_end_of_epoch_checkpoint_resumes_in_the_next_epochs_order(id_cache, tmp_path, caplog):
+    write_shards(id_cache, SHARDS)
+    options = dict(num_workers=0, shuffle_buffer=20, seed=3)
+    whole = _reference(id_cache, 3, **options)
+    orders = {e: [ids for epoch, ids in whole if epoch == e] for e in range(3)}
+    assert orders[1] != orders[2], "epochs must differ in order for this test to mean much"
+
+    # ModelCheckpoint's default: a checkpoint at each epoch's end, through the docs' recipe.
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    first = Model()
+    _trainer(tmp_path, max_epochs=2, callbacks=[checkpoints, ResumeCallback()]).fit(
+        first, datamodule=Data(growcache.make_torch_loader(id_cache, 8, **options)))
+    assert list(zip(first.epochs, first.seen)) == whole[:len(first.seen)] == [b for b in whole if b[0] < 2]
+    progress = torch.load(tmp_path / "last.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_progress"]
+    # Written at epoch 1's end: trainer.current_epoch still names epoch 1 when the resumed run
+    # asks for its train loader; the epochs processed (2) name the next.
+    assert (progress["current"]["completed"], progress["current"]["processed"]) == (1, 2)
+
+    resumed = Model()
+    with caplog.at_level(logging.WARNING, logger="growcache.adapters.lightning"):
+        _trainer(tmp_path, max_epochs=3, callbacks=[ResumeCallback()]).fit(
+            resumed, datamodule=Data(growcache.make_torch_loader(id_cache, 8, **options)),
+            ckpt_path=str(tmp_path / "last.ckpt"))
+    assert set(resumed.epochs) == {2} and resumed.seen == orders[2], "the resumed epoch read another epoch's order"
+    assert not [r for r in caplog.records if r.name == "growcache.adapters.lightning"], caplog.text
+
+    # The loader given to fit() directly: nothing sets the first resumed epoch before its iterator
+    # is made, and ResumeCallback says so, naming the recipe.
+    with caplog.at_level(logging.WARNING, logger="growcache.adapters.lightning"):
+        _trainer(tmp_path, max_epochs=3, callbacks=[ResumeCallback()]).fit(
+            Model(), growcache.make_torch_loader(id_cache, 8, **options), ckpt_path=str(tmp_path / "last.ckpt"))
+    warned = [r.getMessage() for r in caplog.records if r.name == "growcache.adapters.lightning"]
+    assert len(warned) == 1 and "trainer epoch 2 reads the growcache loader's epoch 0" in warned[0], caplog.text
+    assert "set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)" in warned[0]
+
+
+def test_the_docs_recipe_is_the_one_tested():
+    with open(os.path.join(ROOT, "docs", "pytorch.md")) as f:
+        docs = f.read()
+    assert "self.loader.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)" in docs
+    assert "set_epoch(self.trainer.current_epoch)" not in docs
+
+
+def _trainer_process(tmp_path, **args) -> subprocess.CompletedProcess:
+    args = {"cache": str(tmp_path / "cache"), "out": str(tmp_path), **args}
+    # A session of its own: the kill takes the trainer's whole process group, workers included.
+    return subprocess.run([sys.executable, os.path.join(HERE, "lightning_kill.py"), json.dumps(args)],
+                          capture_output=True, text=True, timeout=150, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]),
+                               "OMP_NUM_THREADS": "1"})
+
+
+def _steps(tmp_path, name: str) -> list[tuple[int, list[int]]]:
+    return [tuple(json.loads(line)) for line in (tmp_path / f"{name}.log").read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("checkpoint", ["mid", "end"])
+def test_a_trainer_killed_at_a_random_batch_resumes_from_last_ckpt_batch_by_batch(id_cache, tmp_path, checkpoint):
+    """SIGKILL mid-epoch 1 after checkpoints every few steps ("mid"), or mid-epoch 2 after the
+    checkpoint at epoch 1's end ("end"); a new process resumes from last.ckpt and runs to the end
+    of epoch 2. The steps up to the checkpoint plus the resumed ones are the uninterrupted run's."""
+    write_shards(id_cache, SHARDS)
+    whole = _reference(id_cache, 3, num_workers=2, shuffle_buffer=20, seed=3)
+    per_epoch = [sum(1 for e, _ in whole if e == epoch) for epoch in range(3)]
+    rng = random.Random(f"{checkpoint}-{time.time_ns()}")
+    every = rng.choice([3, 4, 5])
+    killed_epoch = 1 if checkpoint == "mid" else 2
+    first_step = sum(per_epoch[:killed_epoch]) + 1
+    kill_at = rng.randrange(first_step, first_step + per_epoch[killed_epoch])  # a step of that epoch
+    killed = _trainer_process(tmp_path, workers=2, epochs=3, checkpoint=checkpoint, every=every, kill_at=kill_at,
+                              resume=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    before = _steps(tmp_path, "kill")
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"]
+    expected_save = (kill_at - 1) // every * every if checkpoint == "mid" else first_step - 1
+    assert len(before) == kill_at and saved == expected_save, (kill_at, every, saved)
+    resumed = _trainer_process(tmp_path, workers=2, epochs=3, checkpoint=checkpoint, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rest = _steps(tmp_path, "resume")
+    print(f"{checkpoint}: killed at step {kill_at}, checkpoint at {saved} (every {every}) of {len(whole)}")
+    assert before[:saved] + rest == whole, f"killed at step {kill_at}, resumed from step {saved}"
