@@ -1,0 +1,232 @@
+"""Exact mid-epoch resume of make_tf_dataset (issue 30): an eager training process killed with
+SIGKILL at a random batch resumes from its last saved state batch by batch as the uninterrupted
+epoch, while the cache grew and evicted during the downtime (the pin kept the shards it needs);
+Keras with growcache's BackupAndRestore and fit_growing, stopped mid-epoch, trains the rest of the
+epoch, each record once, in the uninterrupted order; reader="tensorflow" re-reads and skips; a
+hostile state is refused naming its field."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ID_SCHEMA, write_shards
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from growcache import Cache, MissingShardsError  # noqa: E402
+from growcache.adapters.keras import BackupAndRestore, fit_growing  # noqa: E402
+from growcache.adapters.tf_dataset import make_tf_dataset  # noqa: E402
+
+TRAINER = os.path.join(os.path.dirname(__file__), "tf_resume_trainer.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest, for the child
+SHARDS = [37, 50, 23, 41, 60, 13, 29]  # 253 records, 32-33 batches of 8
+
+
+def _dataset(cache, **kwargs):
+    kwargs = {"shuffle_buffer": 20, "seed": 3, "cycle_length": 3, **kwargs}
+    return make_tf_dataset(cache, 8, **kwargs)
+
+
+def _ids(ds) -> list[list[int]]:
+    return [batch["id"].numpy().tolist() for batch in ds]
+
+
+def _reference(cache, epoch=1, **kwargs) -> list[list[int]]:
+    ds = _dataset(cache, resume_ttl=0, **kwargs)
+    ds.epochs.set_epoch(epoch)
+    return _ids(ds)
+
+
+@pytest.fixture
+def grown(id_cache):
+    write_shards(id_cache, SHARDS)
+    return id_cache
+
+
+def test_a_killed_eager_loop_resumes_batch_by_batch_while_the_cache_grows_and_evicts(tmp_path):
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, SHARDS)
+    first = {s.path for s in cache.list_shards()}
+    expected = _reference(cache)  # 3 readers round-robin, the last rounds uneven
+    rng = random.Random(time.time_ns())
+    kill_at, save_every = rng.randrange(5, len(expected) - 1), rng.choice([2, 3])
+    args = {"cache": str(tmp_path / "cache"), "out": str(tmp_path), "cycle_length": 3, "kill_at": kill_at,
+            "save_every": save_every}
+    killed = subprocess.run([sys.executable, TRAINER, json.dumps(args)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": TESTS})
+    assert killed.returncode == -9, killed.stderr
+    saved = json.loads((tmp_path / "state.json").read_text())
+    before = [json.loads(line) for line in (tmp_path / "kill.log").read_text().splitlines()]
+    print(f"kill at batch {kill_at}, saved at {saved['progress']} of {len(expected)}")
+    assert len(before) == kill_at and saved["progress"] == kill_at // save_every * save_every
+    # The downtime: the cache grows past its budget and evicts; the killed run's pin keeps the
+    # shards the rest of the epoch reads.
+    cache = Cache(tmp_path / "cache", capacity=cache.stats().bytes * 3 // 2)
+    [pin] = cache.pins()
+    pinned = {s.path for s in cache.list_shards() if s.seq in pin["seqs"]}
+    assert pinned and pinned <= first
+    write_shards(cache, [40] * 12, first_id=10_000)
+    assert cache.stats().evicted > 0 and pinned <= {s.path for s in cache.list_shards()}
+    ds = _dataset(cache)
+    ds.load_state_dict(saved)
+    assert before[:saved["progress"]] + _ids(ds) == expected
+    assert ds.epochs.latest.number == 1 and cache.stats().pins == 0  # the resumed epoch's end released the pin
+    assert ds.state_dict()["epoch"] == 2 and ds.state_dict()["snapshot"] is None
+
+
+def test_a_state_saved_while_prefetch_holds_the_epochs_last_batches_resumes_them(grown):
+    # The pipeline reads an epoch out before the loop takes its last batches (prefetch): a state
+    # saved then names the epoch, its progress and its pin, and the resume delivers the tail.
+    expected = _reference(grown)
+    ds = _dataset(grown)
+    ds.epochs.set_epoch(1)
+    iterator = iter(ds)
+    got = [next(iterator)["id"].numpy().tolist() for _ in range(len(expected) - 1)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert state["epoch"] == 1 and state["progress"] == len(expected) - 1 and grown.stats().pins == 1
+    del iterator
+    assert grown.stats().pins == 1  # kept for the resume
+    resumed = _dataset(grown)
+    resumed.load_state_dict(state)
+    assert got + _ids(resumed) == expected
+
+
+def test_reader_tensorflow_reads_the_epoch_again_and_skips_what_was_consumed(grown):
+    expected = _reference(grown, reader="tensorflow")
+    ds = _dataset(grown, reader="tensorflow")
+    ds.epochs.set_epoch(1)
+    iterator = iter(ds)
+    got = [next(iterator)["id"].numpy().tolist() for _ in range(20)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    [pin] = grown.pins()
+    assert len(pin["seqs"]) == len(SHARDS)  # never shrunk: the resume reads every shard again
+    del iterator
+    resumed = _dataset(grown, reader="tensorflow")
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    got += [next(iterator)["id"].numpy().tolist() for _ in range(3)]
+    # A caller's count (Keras's steps) starts after the saved progress.
+    assert resumed.state_dict(consumed=3)["progress"] == 23
+    assert got + [batch["id"].numpy().tolist() for batch in iterator] == expected
+    del iterator
+    # The state of 2 readers would be re-read in another order: refused, naming the field.
+    two = _dataset(grown, cycle_length=2)
+    two_iterator = iter(two)
+    next(two_iterator)
+    with pytest.raises(ValueError, match=r"'plan.workers' is 2.*reader="):
+        _dataset(grown, reader="tensorflow").load_state_dict(two.state_dict())
+    # Any shard gone: the re-read cannot keep the order, on_missing="skip" or not.
+    os.unlink(grown.list_shards()[-1].path)
+    for on_missing in ("raise", "skip"):
+        with pytest.raises(MissingShardsError, match=r"reads a resumed epoch again from its start"):
+            _dataset(grown, reader="tensorflow").load_state_dict(state, on_missing=on_missing)
+
+
+class Recording(keras.Model):
+    """A tiny model whose training step logs the ids of the batch it trains on (Keras prefetches, so
+    a dataset map would log batches that were never trained on)."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.record = log.append  # Keras would track (copy) a list attribute
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, features):
+        return self.dense(keras.ops.reshape(features["x"], (-1, 32)))
+
+    def train_step(self, data):
+        features, ids = data
+        logged = tf.numpy_function(lambda i: np.int64(self.record(i.tolist()) or 0), [ids], tf.int64)
+        with tf.control_dependencies([logged]):
+            target = tf.cast(ids, tf.float32)
+        return super().train_step(({"x": features["x"]}, target))
+
+
+def _model(log: list) -> keras.Model:
+    model = Recording(log)
+    model.compile(optimizer="sgd", loss="mse")
+    model({"x": np.zeros((1, 4, 8), np.float32)})
+    return model
+
+
+class _Epochs(keras.callbacks.Callback):
+    """Splits the training step's log by Keras epoch; raises after batch ``stop_at`` of epoch ``stop_epoch``."""
+
+    def __init__(self, log: list, stop_epoch: int = -1, stop_at: int = -1) -> None:
+        super().__init__()
+        self.log, self.stop_epoch, self.stop_at = log, stop_epoch, stop_at
+        self.by_epoch: dict[int, list[list[int]]] = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.log.clear()
+        self.by_epoch[epoch] = self.log
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.by_epoch[epoch] = list(self.log)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.by_epoch.get(self.stop_epoch) is self.log and batch == self.stop_at:
+            raise RuntimeError("preempted")
+
+
+def test_keras_backup_and_restore_resumes_the_epoch_where_it_stopped(grown, tmp_path):
+    log: list = []
+    reference = _Epochs(log)
+    fit_growing(_model(log), _dataset(grown, label="id"), epochs=2, verbose=0, callbacks=[reference])
+    expected = reference.by_epoch[1]
+    stop_at, save_freq = random.Random(time.time_ns()).randrange(4, len(expected) - 2), 3
+    backup = tmp_path / "backup"
+
+    stopped = _Epochs(log, stop_epoch=1, stop_at=stop_at)
+    ds = _dataset(grown, label="id")
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit_growing(_model(log), ds, epochs=2, verbose=0,
+                    callbacks=[BackupAndRestore(backup, ds, save_freq=save_freq), stopped])
+    before = list(stopped.by_epoch[1])  # the live log: the next run clears it
+    assert before == expected[:stop_at + 1]
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    saved = (stop_at + 1) // save_freq * save_freq
+    assert metadata["epoch"] == 1 and metadata["growcache"]["progress"] == saved
+
+    write_shards(grown, [30], first_id=50_000)  # grown while down: the resumed epoch reads its own snapshot
+    resumed = _Epochs(log)
+    ds = _dataset(grown, label="id")
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0, callbacks=[BackupAndRestore(backup, ds), resumed])
+    assert history.epoch == [1, 2]
+    assert before[:saved] + resumed.by_epoch[1] == expected  # batch by batch, each record once
+    assert 50_000 in {i for batch in resumed.by_epoch[2] for i in batch}  # then a fresh snapshot
+    assert not backup.exists() and grown.stats().pins == 0
+
+
+@pytest.mark.parametrize("field, value, match", [
+    (None, {}, "'format'"),
+    (None, {"epoch": -1}, "'epoch' is -1"),
+    (None, {"epoch": True}, "'epoch' is True"),
+    ("progress", "3", "'progress'"),
+    ("seed", 3.5, "'seed'"),
+    ("plan", {"world_size": 1}, "'plan'"),
+    ("snapshot", {"shards": [["x", 1, 2]], "skipped": []}, r"'snapshot.shards\[0\]'"),
+    ("pin", {"name": "../../etc/passwd", "until": 1.0}, "'pin'"),
+])
+def test_a_hostile_state_is_refused_naming_the_field(grown, field, value, match):
+    ds = _dataset(grown)
+    ds.epochs.set_epoch(1)
+    iterator = iter(ds)
+    next(iterator)
+    state = json.loads(json.dumps(ds.state_dict()))
+    if field is not None:
+        state[field] = value
+    with pytest.raises(ValueError, match=match):
+        _dataset(grown).load_state_dict(state if field is not None else value)
+    for consumed in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="consumed"):
+            ds.state_dict(consumed=consumed)
