@@ -34,7 +34,7 @@ from .epoch import Epoch, Epochs
 from .errors import GrowcacheError, MissingShardsError
 from .metrics import InputMeter
 from .readers import slab_batches
-from .resume import DEFAULT_RESUME_TTL, keep_pin, load_state, loader_state, pin_epoch, release_kept_pins
+from .resume import DEFAULT_RESUME_TTL, check_state, keep_pin, load_state, loader_state, pin_epoch, release_kept_pins
 from .transport import COPY_BELOW, BatchLayout, Slab
 
 __all__ = ["IteratorEpochs", "SlabFeed"]
@@ -240,20 +240,16 @@ class IteratorEpochs:
                 for a pipeline that replays, any shard of the saved epoch, whatever ``on_missing``.
         """
         epochs = self.epochs
+        if self.replays:
+            checked = check_state(state)
+            if checked["snapshot"] is not None:
+                self._check_replay(checked)
         load_state(epochs, state, on_missing=on_missing)
         self._follow = True
         resume = epochs.resume
-        if resume is None:
-            return
-        if resume.state["pin"] is not None:  # adopted now: not one of those the next epoch releases
+        if resume is not None and resume.state["pin"] is not None:  # adopted: not one the next epoch releases
             kept = epochs.__dict__.get("_kept_pins", [])
             kept[:] = [p for p in kept if p.name != resume.state["pin"]["name"]]
-        if self.replays:
-            try:
-                self._check_replay(resume.state)
-            except ValueError:
-                epochs.resume = None  # its pin stays until its expiry, for a dataset built to match
-                raise
 
     def _check_replay(self, state: dict[str, Any]) -> None:
         workers = state["plan"]["workers"]
