@@ -3,7 +3,9 @@
 ``accelerator.prepare(model, optimizer)`` with growcache's own loader is the recipe: it keeps
 every guarantee (each record once per epoch across ranks, equal batch counts, growth).
 ``accelerator.prepare(..., loader)`` rebuilds a plain DataLoader around ``loader.dataset``,
-which skips growcache's epoch start: it must fail at once, naming that fix, never stall."""
+which skips growcache's epoch start: it must fail at once, naming that fix, never stall. Under
+torchrun, the docs' two-process checkpoint recipe (each rank's loader state beside
+``accelerator.save_state``) resumes each rank mid-epoch batch by batch."""
 
 from __future__ import annotations
 
@@ -80,8 +82,9 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(240)
 def test_two_processes_under_torchrun(id_cache, tmp_path):
-    """2 ranks (gloo on 127.0.0.1): the recipe trains 3 growing epochs, disjoint and even; a
-    prepared loader fails at once on every rank that iterates it, and the run ends, not hangs."""
+    """2 ranks (gloo on 127.0.0.1): the recipe trains 3 growing epochs, disjoint and even; each
+    rank resumes a mid-epoch checkpoint batch by batch; a prepared loader fails at once on every
+    rank that iterates it, and the run ends, not hangs."""
     written = write_shards(id_cache, [SHARD, 5, 7, 3])
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(_free_port()), os.path.join(HERE, "accelerate_ddp.py"), id_cache.path,
@@ -96,6 +99,15 @@ def test_two_processes_under_torchrun(id_cache, tmp_path):
         assert not set(a["ids"]) & set(b["ids"]), f"epoch {epoch}: ranks overlap"
         grown = [i for e in range(epoch) for i in range(1000 * (e + 1), 1000 * (e + 1) + SHARD)]
         assert set(a["ids"]) | set(b["ids"]) == set(written + grown), f"epoch {epoch}: records missing"
+    # A mid-epoch checkpoint, each rank's loader state saved beside accelerator.save_state: each
+    # rank's resumed loader finishes its own share of the epoch batch by batch.
+    for rank in ranks:
+        resume = rank["resume"]
+        assert resume["before"] + resume["after"] == resume["whole"] and len(resume["before"]) == 3, resume
+    assert not set(sum(ranks[0]["resume"]["whole"], [])) & set(sum(ranks[1]["resume"]["whole"], []))
+    # register_for_checkpointing saves the main process's loader state only: rank 1 refuses it.
+    assert ranks[0]["resume"]["registered_load"] is None
+    assert "rank 0 -> 1" in (ranks[1]["resume"]["registered_load"] or ""), ranks[1]["resume"]["registered_load"]
     # dispatch_batches=False: every rank iterates its own copy of the dataset, and each fails.
     for rank in ranks:
         assert rank["undispatched"] is not None and "prepare(model, optimizer)" in rank["undispatched"], rank
