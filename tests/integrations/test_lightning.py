@@ -123,7 +123,7 @@ def test_resume_reads_the_trainers_epoch_order(id_cache, tmp_path):
     assert len({tuple(v) for v in expected.values()}) == 4, "epochs must differ in order for this test to mean much"
 
     _quiet()
-    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True, save_top_k=0)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)  # at each epoch end
     loader = growcache.make_torch_loader(id_cache, 4, **options)
     first = Recorder(id_cache, grow=False, loader=loader)
     _trainer(tmp_path, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(first, datamodule=Data(loader))

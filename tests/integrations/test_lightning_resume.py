@@ -84,8 +84,20 @@ def _reference(cache, epochs: int, **options) -> list[tuple[int, list[int]]]:
         return [(epoch, batch["id"].tolist()) for epoch in range(epochs) for batch in loader]
 
 
+class Validated(Model):
+    def validation_step(self, batch, index):
+        pass
+
+
+class ValidatedData(Data):
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader([{"x": torch.zeros(32)}] * 4, batch_size=4)
+
+
 @pytest.mark.timeout(120)
-def test_an_end_of_epoch_checkpoint_resumes_in_the_next_epochs_order(id_cache, tmp_path, caplog):
+@pytest.mark.parametrize("validate", [False, True])  # with validation, ModelCheckpoint saves after it
+def test_an_end_of_epoch_checkpoint_resumes_in_the_next_epochs_order(id_cache, tmp_path, caplog, validate):
+    model, data = (Validated, ValidatedData) if validate else (Model, Data)
     write_shards(id_cache, SHARDS)
     options = dict(num_workers=0, shuffle_buffer=20, seed=3)
     whole = _reference(id_cache, 3, **options)
@@ -94,19 +106,19 @@ def test_an_end_of_epoch_checkpoint_resumes_in_the_next_epochs_order(id_cache, t
 
     # ModelCheckpoint's default: a checkpoint at each epoch's end, through the docs' recipe.
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
-    first = Model()
+    first = model()
     _trainer(tmp_path, max_epochs=2, callbacks=[checkpoints, ResumeCallback()]).fit(
-        first, datamodule=Data(growcache.make_torch_loader(id_cache, 8, **options)))
+        first, datamodule=data(growcache.make_torch_loader(id_cache, 8, **options)))
     assert list(zip(first.epochs, first.seen)) == whole[:len(first.seen)] == [b for b in whole if b[0] < 2]
     progress = torch.load(tmp_path / "last.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_progress"]
     # Written at epoch 1's end: trainer.current_epoch still names epoch 1 when the resumed run
     # asks for its train loader; the epochs processed (2) name the next.
     assert (progress["current"]["completed"], progress["current"]["processed"]) == (1, 2)
 
-    resumed = Model()
+    resumed = model()
     with caplog.at_level(logging.WARNING, logger="growcache.adapters.lightning"):
         _trainer(tmp_path, max_epochs=3, callbacks=[ResumeCallback()]).fit(
-            resumed, datamodule=Data(growcache.make_torch_loader(id_cache, 8, **options)),
+            resumed, datamodule=data(growcache.make_torch_loader(id_cache, 8, **options)),
             ckpt_path=str(tmp_path / "last.ckpt"))
     assert set(resumed.epochs) == {2} and resumed.seen == orders[2], "the resumed epoch read another epoch's order"
     assert not [r for r in caplog.records if r.name == "growcache.adapters.lightning"], caplog.text
@@ -115,7 +127,7 @@ def test_an_end_of_epoch_checkpoint_resumes_in_the_next_epochs_order(id_cache, t
     # is made, and ResumeCallback says so, naming the recipe.
     with caplog.at_level(logging.WARNING, logger="growcache.adapters.lightning"):
         _trainer(tmp_path, max_epochs=3, callbacks=[ResumeCallback()]).fit(
-            Model(), growcache.make_torch_loader(id_cache, 8, **options), ckpt_path=str(tmp_path / "last.ckpt"))
+            model(), growcache.make_torch_loader(id_cache, 8, **options), ckpt_path=str(tmp_path / "last.ckpt"))
     warned = [r.getMessage() for r in caplog.records if r.name == "growcache.adapters.lightning"]
     assert len(warned) == 1 and "trainer epoch 2 reads the growcache loader's epoch 0" in warned[0], caplog.text
     assert "set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)" in warned[0]
