@@ -266,7 +266,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
         self.dataset.load_state_dict(metadata["growcache"], on_missing=self.on_missing)
         self._slot = metadata["weights"]
-        self.model._initial_epoch = self._current_epoch = metadata["epoch"]
+        self.model._initial_epoch = metadata["epoch"]
         logger.info("restored from %s: epoch %d, the dataset at batch %d of it", self.backup_dir, metadata["epoch"],
                     metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
 

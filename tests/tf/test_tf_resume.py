@@ -200,8 +200,13 @@ def test_keras_backup_and_restore_resumes_the_epoch_where_it_stopped(grown, tmp_
     write_shards(grown, [30], first_id=50_000)  # grown while down: the resumed epoch reads its own snapshot
     resumed = _Epochs(log)
     ds = _dataset(grown, label="id")
-    history = fit_growing(_model(log), ds, epochs=3, verbose=0, callbacks=[BackupAndRestore(backup, ds), resumed])
+    peeked = []  # the backup after the resumed epoch's third step: Keras's names epoch 0 there
+    peek = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: peeked.append(
+        json.loads((backup / "training_metadata.json").read_text())) if batch == 2 and not peeked else None)
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0,
+                          callbacks=[BackupAndRestore(backup, ds, save_freq=save_freq), resumed, peek])
     assert history.epoch == [1, 2]
+    assert peeked[0]["epoch"] == 1 and peeked[0]["growcache"]["progress"] == saved + 3
     assert before[:saved] + resumed.by_epoch[1] == expected  # batch by batch, each record once
     assert 50_000 in {i for batch in resumed.by_epoch[2] for i in batch}  # then a fresh snapshot
     assert not backup.exists() and grown.stats().pins == 0
