@@ -118,14 +118,9 @@ def make_tf_dataset(
         ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``; its
         ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
         Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise")``
-        save and restore the exact position in an epoch, with the state of a torch loader's
-        ``state_dict()`` (:meth:`growcache.pull_feed.IteratorEpochs.state_dict`): an eager loop's
-        batches are counted as it takes them; under Keras or a ``tf.function`` pass ``consumed``,
-        the batches taken from the current iterator (the Keras callback
-        :class:`growcache.adapters.keras.BackupAndRestore` does). The first iterator after
-        ``load_state_dict`` finishes the saved epoch, batch by batch as the uninterrupted run
-        would have; ``reader="tensorflow"`` reads that epoch again from its start and drops the
-        consumed batches (see docs/tensorflow.md).
+        save and restore the exact position in an epoch, as a torch loader's do: see
+        :meth:`growcache.pull_feed.IteratorEpochs.state_dict` and, for Keras,
+        :class:`growcache.adapters.keras.BackupAndRestore`.
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.
@@ -145,8 +140,6 @@ def make_tf_dataset(
         raise ValueError("block_length and cycle_length must be >= 1")
     if reader not in _READERS:
         raise ValueError(f"reader must be one of {_READERS}, got {reader!r}")
-    if isinstance(resume_ttl, bool) or not isinstance(resume_ttl, (int, float)) or not 0 <= resume_ttl <= 10**9:
-        raise ValueError(f"resume_ttl must be seconds >= 0, got {resume_ttl!r}")
     require_shards(cache, wait_for_shards)
     world = (input_context.input_pipeline_id, input_context.num_input_pipelines) if input_context else (0, 1)
     vectorized = reader == "growcache" and ExampleCodec(schema).fixed_layout
@@ -155,7 +148,7 @@ def make_tf_dataset(
     readers = 1 if world[1] > 1 or not vectorized else cycle_length or min(max((os.cpu_count() or 1) // 2, 1), 4)
     epochs = Epochs(cache, options, readers=readers, world=world, schema=schema,
                     holder=f"tf pipeline {world[0]}/{world[1]}", abandon_hint=_ABANDONED)
-    iterators = IteratorEpochs(epochs, replays=not vectorized, resume_ttl=float(resume_ttl))
+    iterators = IteratorEpochs(epochs, replays=not vectorized, resume_ttl=resume_ttl)
     if vectorized:
         ds = _vectorized(iterators, label, readers, deterministic)
     else:
@@ -197,8 +190,7 @@ def _tensorflow(iterators: IteratorEpochs, label: str | None, cycle: int, block_
         if spec.shuffle_buffer:
             records = records.shuffle(spec.shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
         # Batched here, so the stages after flat_map cost a call per batch, not per record. A resumed
-        # epoch is read again from its start (TFRecordDataset cannot seek, and the interleave and the
-        # shuffle mix shards): the batches consumed before the save are dropped unparsed.
+        # epoch is read again (TFRecordDataset cannot seek): the consumed batches are dropped unparsed.
         return records.batch(spec.batch_size, drop_remainder=options.drop_last).skip(skip)
 
     # With drop_remainder every batch is full: keep that static, as Dataset.batch would.
@@ -321,8 +313,7 @@ class _Iterator(iterator_ops.OwnedIterator):
             batch = super()._next_internal()
         except tf.errors.OutOfRangeError:
             meter.next_done(started, False)
-            if self._growcache_epoch is not None:
-                iterators.done(self._growcache_epoch)
+            iterators.done(self._growcache_epoch)
             raise
         except tf.errors.OpError as exc:
             error = self._growcache_iterators.error_for(exc.message)
@@ -335,8 +326,7 @@ class _Iterator(iterator_ops.OwnedIterator):
         return batch
 
     def __del__(self) -> None:
-        if self._growcache_epoch is not None:  # dropped: an epoch held open for this loop ends
-            self._growcache_iterators.done(self._growcache_epoch)
+        self._growcache_iterators.done(self._growcache_epoch)  # dropped: an epoch held open for it ends
 
 
 class _ErrorMappingDataset(dataset_ops.UnaryUnchangedStructureDataset):

@@ -59,15 +59,20 @@ class IteratorEpochs:
         resume_ttl: seconds an epoch's snapshot stays pinned from its first :meth:`state_dict`
             (``0``: no pin). Default: :data:`~growcache.resume.DEFAULT_RESUME_TTL`.
 
+    Raises:
+        ValueError: ``resume_ttl`` is not seconds >= 0.
+
     Attributes:
         on_leave: called with an iterator's token once it left its epoch. Default: ``None``.
         meter: the pipeline's :class:`~growcache.metrics.InputMeter` (its stall and freshness figures).
     """
 
     def __init__(self, epochs: Epochs, *, replays: bool = False, resume_ttl: float = DEFAULT_RESUME_TTL) -> None:
+        if isinstance(resume_ttl, bool) or not isinstance(resume_ttl, (int, float)) or not 0 <= resume_ttl <= 10**9:
+            raise ValueError(f"resume_ttl must be seconds >= 0, got {resume_ttl!r}")
         self.epochs = epochs
         self.replays = replays
-        self.resume_ttl = resume_ttl
+        self.resume_ttl = float(resume_ttl)
         self.on_leave: Callable[[int], None] | None = None
         self.meter = InputMeter(epochs)
         self._lock = threading.Lock()
@@ -165,9 +170,11 @@ class IteratorEpochs:
             epoch.consumed += 1
         return epoch
 
-    def done(self, epoch: Epoch) -> None:
+    def done(self, epoch: Epoch | None) -> None:
         """The training loop is done with ``epoch`` (read its iterator to the end, or dropped it):
         if the epoch was held open for it, it ends now (its pin kept if batches were left)."""
+        if epoch is None:
+            return
         with self._lock:
             held = self._held.pop(epoch.token, None)
         if held is not None:
