@@ -50,8 +50,12 @@ The bucket is live, and the state file is untrusted:
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -65,10 +69,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _proc
+from ._concurrent import _TICKET, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Ticket
 from ._retry import RetryPolicy
 from .errors import CacheFormatError, CompressedFileError, CorruptShardError, GrowcacheError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker
-from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _record_limit, copy_records, iter_frames
+from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _inflate, _record_limit, _skip, copy_records, iter_frames
+from .records import detect_compression
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -99,6 +105,11 @@ class FetchJob:
         max_bytes: the pool's ``shard_size``: a fetched shard is cut at a record boundary
             before it grows past it. ``None``: no limit.
         progress: called with the bytes of each record copied (the pool's live counters).
+        concurrency: requests the worker keeps in flight (the pool's ``concurrency``): a
+            remote shard is read as that many ranged parts at once; ``1`` reads it one request
+            at a time. ``None``: the pool's default.
+        max_bytes_in_flight: bytes of parts fetched and not yet copied, at most (the pool's
+            ``max_bytes_in_flight``), whatever the shard's size. ``None``: the pool's default.
     """
 
     cache: Cache
@@ -107,6 +118,8 @@ class FetchJob:
     should_stop: Callable[[], bool]
     max_bytes: int | None = None
     progress: Callable[[int], None] | None = None
+    concurrency: int | None = None
+    max_bytes_in_flight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +244,15 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         self._listing: dict[str, str] | None = None  # path -> version, as this process last listed the store
         self._listed_at = 0.0  # time.monotonic() of that listing
         self._listed_for = 0  # the pass it serves
+        #: The most bytes of ranged parts this process held at once (fetched or in flight, not yet copied).
+        self.peak_bytes_in_flight = 0
+        # (requests, bytes, should_stop) of the fetch reading now (see _reading); None: serial reads.
+        self._window: tuple[int, int, Callable[[], bool]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(peak_bytes_in_flight=0, _window=None)
+        return state
 
     def _repr_extra(self) -> str:
         return f", max_shard_records={self.max_shard_records}, max_shard_bytes={self.max_shard_bytes}"
@@ -301,6 +323,9 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         if cache.schema is None:
             raise SchemaError(f"cache {cache.path} has no schema: give it the dataset's schema "
                               "(growcache schema URL prints it)")
+        concurrency, _ = _in_flight(job)
+        if concurrency > 1 and self._pool_connections is None:
+            self.set_concurrency(concurrency)  # before the listing below makes the filesystem
         claim = self._claim(job)
         if claim is None:
             return
@@ -316,36 +341,38 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 return
             end = None
             for start, stop in claim.segments:
-                chunks, _ = self.stream(claim.path, start)
-                frames = _Until(iter_frames(chunks, url, start, max_record_bytes=codec.max_record_bytes), start, stop,
-                                job.should_stop)
-                pieces = copy_records(frames, cache, RecordChecker(codec, url), max_records=self.max_shard_records,
-                                      max_bytes=min(limits) if limits else None, start=start, progress=job.progress)
-                last_segment = (start, stop) == claim.segments[-1]
-                with contextlib.closing(pieces):
-                    for piece in pieces:
-                        now = self._version_now(claim.path)
-                        if now != claim.version:
-                            # Rewritten (or deleted) while it was read: this piece may hold bytes of two
-                            # versions. A piece whose reads all came before the change is kept.
-                            _discard(piece.path)
-                            done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
-                            return
-                        if keeper.lost:
-                            logger.warning("%s: the claim on %s was taken over while it was copied (this process "
-                                           "stalled for longer than %g s?); the copy is dropped",
-                                           self._redact(", ".join(self.urls)), url, _proc.owner_expiry())
-                            done = True  # the claim is not ours to release
-                            _discard(piece.path)
-                            return
-                        # The last piece's commit also ends the fetch: one state write, not two.
-                        finish = last_segment and piece.last
-                        commit = _Commit(self, cache, claim, piece.start, piece.end, finish)
-                        yield FetchedShard(piece.path, piece.records, piece.nbytes, commit)
-                        if finish:
-                            done = True
-                        elif job.should_stop():
-                            return
+                with self._reading(claim.path, start, stop, job) as chunks:
+                    frames = _Until(iter_frames(chunks, url, start, max_record_bytes=codec.max_record_bytes), start,
+                                    stop, job.should_stop)
+                    pieces = copy_records(frames, cache, RecordChecker(codec, url),
+                                          max_records=self.max_shard_records,
+                                          max_bytes=min(limits) if limits else None, start=start,
+                                          progress=job.progress)
+                    last_segment = (start, stop) == claim.segments[-1]
+                    with contextlib.closing(pieces):
+                        for piece in pieces:
+                            now = self._version_now(claim.path)
+                            if now != claim.version:
+                                # Rewritten (or deleted) while it was read: this piece may hold bytes of two
+                                # versions. A piece whose reads all came before the change is kept.
+                                _discard(piece.path)
+                                done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
+                                return
+                            if keeper.lost:
+                                logger.warning("%s: the claim on %s was taken over while it was copied (this process "
+                                               "stalled for longer than %g s?); the copy is dropped",
+                                               self._redact(", ".join(self.urls)), url, _proc.owner_expiry())
+                                done = True  # the claim is not ours to release
+                                _discard(piece.path)
+                                return
+                            # The last piece's commit also ends the fetch: one state write, not two.
+                            finish = last_segment and piece.last
+                            commit = _Commit(self, cache, claim, piece.start, piece.end, finish)
+                            yield FetchedShard(piece.path, piece.records, piece.nbytes, commit)
+                            if finish:
+                                done = True
+                            elif job.should_stop():
+                                return
                 end = frames.end
             if not done:  # no records in the last segment (an empty file): end the fetch here
                 self._finish(cache, claim, end)
@@ -359,6 +386,54 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             keeper.stop()
             if not done:
                 self._release(cache, claim)
+
+    def chunks(self, path: str, start: int = 0, size: int | None = None) -> Iterator[bytes]:
+        """The raw bytes of ``path`` from ``start`` to ``size``: inside a fetch of a pool with
+        ``concurrency`` above 1, as ranged parts with many in flight (:class:`_Parts`); else one
+        request at a time."""
+        window = self._window
+        if window is None:
+            yield from super().chunks(path, start, size)
+            return
+        concurrency, max_bytes, should_stop = window
+        size = self.size(path) if size is None else size
+        yield from _Parts(self, path, start, size, part=self.chunk_bytes, concurrency=concurrency,
+                          max_bytes=max_bytes, should_stop=should_stop)
+
+    @contextlib.contextmanager
+    def _reading(self, path: str, start: int, stop: int | None, job: FetchJob) -> Iterator[Iterator[bytes]]:
+        """The uncompressed stream of ``path`` from offset ``start``, read for the records up to ``stop``.
+
+        With ``job.concurrency`` 1, one request at a time (:meth:`stream`). Otherwise the raw
+        bytes come in ranged parts, many in flight (:meth:`chunks`): a plain file's from
+        ``start`` to ``stop``, a compressed one's whole (it inflates from its beginning). The
+        parts in flight are cancelled when the block ends.
+        """
+        concurrency, max_bytes = _in_flight(job)
+        if concurrency <= 1:
+            yield self.stream(path, start)[0]
+            return
+        size = self.size(path)
+        known = not (start == 0 and stop is None)  # else the first part tells the compression
+        compression = detect_compression(self._fetch(path, 0, min(size, 64))) if known and size else None
+        plain = known and compression is None
+        end = size if stop is None or not plain else min(stop, size)
+        self._window = (concurrency, max_bytes, job.should_stop)
+        parts = self.chunks(path, start if plain else 0, end)
+        try:
+            raw: Iterator[bytes] = parts
+            if not known:
+                first = next(raw, b"")
+                compression = detect_compression(first[:64]) if first else None
+                raw = itertools.chain([first] if first else [], raw)
+            if end < size:
+                # Pieces end at record boundaries, so the frames stop at ``stop`` and never read
+                # on; a state that says otherwise (tampered) reads on one request at a time.
+                raw = itertools.chain(raw, TFRecordFiles.chunks(self, path, end, size))
+            yield raw if compression is None else _skip(_inflate(raw, compression, self._url(path)), start)
+        finally:
+            self._window = None
+            parts.close()  # cancels the parts in flight
 
     def _pass_over_failed(self, cache: Cache, claim: _Claim, exc: BaseException) -> bool:
         """Pass over a remote shard whose fetch failed, if it vanished, changed or is corrupt;
@@ -755,6 +830,108 @@ class _Until:
                 raise _Stopping
             self.end = offset + end - start
             yield frame
+
+
+def _in_flight(job: FetchJob) -> tuple[int, int]:
+    """``(requests, bytes)`` a fetch keeps in flight at most: the job's, else the pool's defaults."""
+    from .sampler import DEFAULT_CONCURRENCY  # the sampler imports this module
+
+    concurrency = DEFAULT_CONCURRENCY if job.concurrency is None else max(1, int(job.concurrency))
+    max_bytes = DEFAULT_MAX_BYTES_IN_FLIGHT if job.max_bytes_in_flight is None else max(1, int(job.max_bytes_in_flight))
+    return concurrency, max_bytes
+
+
+class _Parts:
+    """Bytes ``start:end`` of a remote shard, in order, fetched as ranged parts with many in flight.
+
+    One request per part of ``part`` bytes, each under the source's retry policy on its own
+    (:meth:`~growcache.store.StoreSource._afetch` on an async filesystem, in fsspec's event
+    loop; :meth:`~growcache.store.StoreSource._fetch` in threads on a sync one): a part that
+    fails transiently is retried alone, the others go on. Parts are handed on in stream
+    order whatever order they arrive in. Bounds:
+
+    * requests in flight: ``concurrency``, less while the store throttles (a
+      :class:`~growcache._concurrent.Flow`: halved on 429/503, grown back as answers come);
+    * bytes of parts in flight or fetched and not yet handed on: ``max_bytes`` (one part
+      larger than that still goes, alone), whatever the shard's size;
+    * the window opens 1, 2, 4... parts, so a reader that stops after its first records
+      does not pay for the rest.
+
+    A part shorter than asked means the object shrank under the reader: a :class:`SourceError`
+    naming the URL and offset (the fetch then finds the new version and passes the shard
+    over). Waiting for a part, ``should_stop()`` is asked every 0.2 s; once it says so,
+    :class:`_Stopping` is raised and the parts in flight are cancelled, not waited for.
+    """
+
+    def __init__(self, source: TFRecordShardSource, path: str, start: int, end: int, *, part: int, concurrency: int,
+                 max_bytes: int, should_stop: Callable[[], bool]) -> None:
+        self.source, self.path, self.start, self.end = source, path, start, end
+        self.part = max(1, part)
+        self.concurrency = concurrency
+        self.should_stop = should_stop
+        self.flow = Flow(concurrency, max_bytes)
+        self._ticket = Ticket(self.flow)  # routes each request's timing and throttling to this flow
+        fs = source.fs
+        self._loop = fs.loop if getattr(fs, "async_impl", False) else None
+        self._threads = None if self._loop is not None else concurrent.futures.ThreadPoolExecutor(
+            concurrency, thread_name_prefix="growcache-part")
+        self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = collections.deque()
+
+    def __iter__(self) -> Iterator[bytes]:
+        flow, position, window = self.flow, self.start, 1
+        try:
+            while self._pending or position < self.end:
+                while position < self.end and len(self._pending) < min(window, flow.allowed()):
+                    stop = min(position + self.part, self.end)
+                    if not flow._fits(stop - position):
+                        break
+                    flow.acquire(stop - position)  # it fits: never waits
+                    self._pending.append((position, stop, self._submit(position, stop)))
+                    position = stop
+                begin, stop, future = self._pending[0]
+                data = self._wait(future)
+                self._pending.popleft()
+                if len(data) != stop - begin:
+                    raise SourceError(
+                        f"{self.source._url(self.path)} gave {len(data)} bytes for bytes {begin}-{stop}: it was "
+                        "replaced or truncated while it was read")
+                yield data
+                flow.release(stop - begin)  # the reader has taken the part on
+                window = min(2 * window, self.concurrency)
+        finally:
+            self.close()
+
+    def _submit(self, begin: int, stop: int) -> concurrent.futures.Future[bytes]:
+        if self._loop is not None:
+            return asyncio.run_coroutine_threadsafe(self._afetch(begin, stop), self._loop)
+        assert self._threads is not None
+        return self._threads.submit(self._fetch, begin, stop)
+
+    async def _afetch(self, begin: int, stop: int) -> bytes:
+        _TICKET.set(self._ticket)  # this task's own context
+        return await self.source._afetch(self.path, begin, stop)
+
+    def _fetch(self, begin: int, stop: int) -> bytes:
+        _TICKET.set(self._ticket)
+        try:
+            return self.source._fetch(self.path, begin, stop)
+        finally:
+            _TICKET.set(None)
+
+    def _wait(self, future: concurrent.futures.Future[bytes]) -> bytes:
+        while not concurrent.futures.wait([future], timeout=0.2).done:
+            if self.should_stop():
+                raise _Stopping
+        return future.result()
+
+    def close(self) -> None:
+        """Cancel the parts in flight (never waits for them); idempotent."""
+        pending, self._pending = self._pending, collections.deque()
+        for _, _, future in pending:
+            future.cancel()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        self.source.peak_bytes_in_flight = max(self.source.peak_bytes_in_flight, self.flow.peak_bytes)
 
 
 # -- checking the state ----------------------------------------------------------------------------
