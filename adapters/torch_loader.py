@@ -213,10 +213,13 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
         finished = False
         batches = self._host_batches(iterator)
+        # What state_dict() counts: handed to the loop, not prefetched; taken round-robin (in_order),
+        # the count also lets the epoch's lease go of shards read.
+        round_robin = getattr(self, "in_order", True)
         try:
             for batch in self._meter.timed(batches if self._delivery is None else self._delivery.batches(batches),
                                            epoch):
-                epoch.consumed += 1  # what state_dict() counts: handed to the loop, not prefetched
+                epoch.consume(round_robin=round_robin)
                 yield batch
             finished = True
         finally:

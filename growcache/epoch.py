@@ -41,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,7 @@ from .errors import (
     SchemaError,
     SchemaMismatchError,
 )
-from .planning import EpochPlan, plan_epoch, reader_seed
+from .planning import EpochPlan, ReadPoints, plan_epoch, read_points, reader_seed
 from .readers import ReaderSpec
 from .records import check_named_size, check_records
 from .schema import Schema
@@ -98,6 +98,8 @@ ON_CORRUPT = ("raise", "skip")
 _POLL_S = 0.05
 #: Epochs of one :class:`Epochs` open at once before the oldest is taken as abandoned.
 DEFAULT_MAX_OPEN = 4
+#: A lease trim (Epoch.consume) is followed by at least this many times its own duration without one.
+_TRIM_SPACING = 50.0
 
 
 def node_name() -> str:
@@ -751,6 +753,12 @@ class Epoch:
         shards = self.snapshot.shards
         self._paths = np.array([os.fsencode(s.path) for s in shards], dtype=np.bytes_)
         self._records = np.array([s.records for s in shards], dtype=np.int64)
+        self._held: Snapshot | None = None  # the smaller lease that replaced the snapshot's (hold_only)
+        self._held_seqs = frozenset(s.seq for s in shards)
+        self._snapshot_gone = False  # the snapshot's own lease was handed to its release
+        self._points: ReadPoints | None = None
+        self._next_trim = 0  # consumed count at which the lease may next hold fewer shards
+        self._trim_after = 0.0  # time.monotonic() before which no trim runs (see consume)
 
     @property
     def number(self) -> int:
@@ -791,6 +799,98 @@ class Epoch:
         """Records this rank yields in this epoch (top-up records included)."""
         return self.plan.rank_records(self.epochs.group.rank)
 
+    def read_points(self) -> ReadPoints:
+        """When this rank reads each shard of the epoch for the last time
+        (:func:`~growcache.planning.read_points`; computed once)."""
+        if self._points is None:
+            epochs = self.epochs
+            self._points = read_points(self.plan, epochs.group.rank, self._records, epochs.reader.window_batches,
+                                       tops_up=epochs.tops_up, exact=self._exact())
+        return self._points
+
+    def _exact(self) -> bool:
+        # A reader that skips a corrupt shard reads on past its quota's point, into its cycle.
+        return self.epochs.options.on_corrupt == "raise"
+
+    def left(self) -> frozenset[int]:
+        """Sequence numbers of the shards the rest of the epoch reads after :attr:`consumed`
+        batches, on this rank: what a resume from here reads too."""
+        seqs = self.agreed.seqs
+        return frozenset(seqs[i] for i in self._left_indices())
+
+    def _left_indices(self) -> set[int]:
+        return self.read_points().left(self.consumed)
+
+    def _next_change(self) -> int:
+        return self.read_points().next_change(self.consumed)
+
+    def consume(self, batches: int = 1, *, round_robin: bool = True) -> None:
+        """Count ``batches`` handed to the training loop in :attr:`consumed`.
+
+        Taken round-robin from the readers (a ``DataLoader``'s order), once they pass the last read
+        of shards, the epoch's lease lets go of them (:meth:`hold_only`), so that a full cache
+        evicts them rather than stall its samplers. Readers prefetch ahead of the loop, never
+        behind, so the lease always covers what they still read. A trim takes a few milliseconds
+        (a lease file and a listing of the cache); they are spaced to cost at most about 2% of
+        the loop's time.
+
+        Args:
+            round_robin: ``False``: taken in another order (``DataLoader(in_order=False)``), which
+                says nothing of each reader's progress: only counted, the lease holds on.
+                Default: ``True``.
+        """
+        self.consumed += batches
+        if round_robin and self.consumed >= self._next_trim:
+            now = time.monotonic()
+            if now < self._trim_after:
+                self._next_trim = self.consumed + 1
+                return
+            self.hold_only(self.left())
+            self._next_trim = self._next_change()
+            self._trim_after = now + _TRIM_SPACING * (time.monotonic() - now)
+
+    @property
+    def held(self) -> frozenset[int]:
+        """Sequence numbers of the shards the epoch's lease holds now (all of its snapshot until
+        :meth:`hold_only` lets go of some)."""
+        return self._held_seqs
+
+    def hold_only(self, seqs: Iterable[int]) -> None:
+        """From now on, lease only the shards ``seqs`` of the snapshot, if that is fewer (the rest
+        of the epoch reads no other). The snapshot's own lease is handed to its release: under a
+        rendezvous, the first rank's ends once every rank leased. Logged, never raised: a lease
+        that cannot be rewritten holds what it held."""
+        seqs = frozenset(seqs) & self._held_seqs
+        if seqs == self._held_seqs or self._ended:
+            return
+        epochs = self.epochs
+        try:
+            smaller = epochs.cache.lease(sorted(seqs), holder=epochs._holder) if seqs else None
+        except (EpochSyncError, OSError) as exc:
+            logger.warning("could not let epoch %d's lease go of the shards it read (%s); it keeps %d shards",
+                           self.number, exc, len(self._held_seqs))
+            return
+        with epochs._lock:
+            ended = self._ended
+            if not ended:
+                held, self._held, self._held_seqs = self._held, smaller, seqs
+                let_go, self._snapshot_gone = not self._snapshot_gone, True
+        if ended:  # ended meanwhile: end() released the rest
+            if smaller is not None:
+                smaller.close()
+            return
+        if held is not None:
+            held.close()
+        if let_go:
+            self._release_snapshot()
+
+    def _release_snapshot(self) -> None:
+        agreement = self._agreement
+        if agreement is not None and agreement.took:
+            agreement.release(self.snapshot.close)
+        else:
+            self.snapshot.close()
+
     def end(self) -> None:
         """End the epoch: release its lease (the first rank's once every rank leased). Idempotent."""
         with self.epochs._lock:
@@ -798,13 +898,14 @@ class Epoch:
                 return
             self._ended = True
             self.epochs._open.pop(self.token, None)
+            held, self._held = self._held, None
+            let_go, self._snapshot_gone = not self._snapshot_gone, True
         if self.pin is not None:
             self.pin.release()
-        agreement = self._agreement
-        if agreement is not None and agreement.took:
-            agreement.release(self.snapshot.close)
-        else:
-            self.snapshot.close()
+        if held is not None:
+            held.close()
+        if let_go:
+            self._release_snapshot()
 
 
 class EpochBookkeeping:

@@ -35,12 +35,24 @@ The plan:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EpochPlan", "plan_epoch", "reader_seed", "shuffle_seed"]
+__all__ = [
+    "EpochPlan",
+    "ReadPoints",
+    "consumed_when",
+    "plan_epoch",
+    "read_points",
+    "reader_seed",
+    "round_robin_progress",
+    "shuffle_seed",
+]
+
+_MAX_INDEX = 2**63 - 1
 
 
 def shuffle_seed(seed: int, epoch: int) -> np.random.Generator:
@@ -271,3 +283,127 @@ def _rank_cycles(shards: list[np.ndarray], world_size: int, workers: int, order:
             cycle = np.concatenate(mine).astype(np.int64)
             cycles.append(cycle if records[cycle].sum() else order.astype(np.int64))
     return cycles
+
+
+# -- what the rest of an epoch reads ---------------------------------------------------------------
+def round_robin_progress(counts: Sequence[int], consumed: int) -> tuple[list[int], int]:
+    """Batches each reader had delivered after ``consumed`` batches taken round-robin (reader 0
+    first, readers that ran out left out: a ``DataLoader``'s order over its workers), and the
+    reader that delivers next (``0`` once all are done)."""
+    counts = [int(c) for c in counts]
+    consumed = min(int(consumed), sum(counts))
+    low, high = 0, max(counts, default=0)
+    while low < high:  # the most whole rounds t with sum(min(c, t)) <= consumed
+        mid = (low + high + 1) // 2
+        if sum(min(c, mid) for c in counts) <= consumed:
+            low = mid
+        else:
+            high = mid - 1
+    done = [min(c, low) for c in counts]
+    left = consumed - sum(done)
+    going = [w for w, c in enumerate(counts) if c > low]
+    for w in going[:left]:
+        done[w] += 1
+    following = going[left] if left < len(going) else 0
+    return done, following
+
+
+def consumed_when(counts: Sequence[int], worker: int, delivered: int) -> int:
+    """The inverse of :func:`round_robin_progress`: the fewest batches consumed round-robin after
+    which reader ``worker`` has delivered ``delivered`` batches (more than it yields: never, a
+    count above every reader's total)."""
+    if delivered <= 0:
+        return 0
+    if delivered > counts[worker]:
+        return sum(counts) + 1
+    return sum(min(int(c), delivered - 1) for c in counts) + sum(1 for c in counts[:worker] if c >= delivered) + 1
+
+
+@dataclass(frozen=True)
+class ReadPoints:
+    """When each shard of a rank's epoch is read for the last time (see :func:`read_points`).
+
+    Attributes:
+        counts: batches each reader of the rank yields.
+        points: per reader, ``(delivered, shard)`` pairs, ascending: once the reader delivered
+            ``delivered`` batches, it (and a resume from that point) never opens ``shard`` again.
+        kept: shards read up to the epoch's end (a top up reads them again).
+    """
+
+    counts: tuple[int, ...]
+    points: tuple[tuple[tuple[int, int], ...], ...]
+    kept: frozenset[int]
+
+    def passed(self, worker: int, delivered: int) -> int:
+        """How many of reader ``worker``'s :attr:`points` are passed after ``delivered`` batches."""
+        return bisect.bisect_right(self.points[worker], (int(delivered), _MAX_INDEX))
+
+    def left(self, consumed: int) -> set[int]:
+        """Shards the rest of the epoch reads after ``consumed`` batches taken round-robin (a resume
+        from there included)."""
+        done, _ = round_robin_progress(self.counts, consumed)
+        return {shard for worker, points in enumerate(self.points)
+                for _, shard in points[self.passed(worker, done[worker]):]} | self.kept
+
+    def next_change(self, consumed: int) -> int:
+        """The fewest batches consumed, more than ``consumed``, after which :meth:`left` may hold
+        fewer shards (``sum(counts) + 1``: none)."""
+        done, _ = round_robin_progress(self.counts, consumed)
+        best = sum(self.counts) + 1
+        for worker, points in enumerate(self.points):
+            index = self.passed(worker, done[worker])
+            if index < len(points):
+                best = min(best, consumed_when(self.counts, worker, points[index][0]))
+        return best
+
+
+def read_points(plan: EpochPlan, rank: int, records: Sequence[int], window_batches: int, *, tops_up: bool,
+                exact: bool = True) -> ReadPoints:
+    """When rank ``rank``'s readers read each shard of the epoch for the last time.
+
+    A reader reads its shards, then (with ``tops_up``) its cycle, until its quota. A resume of
+    it after ``d`` delivered batches passes over the whole shuffle windows of ``window_batches``
+    batches they fill (:class:`~growcache.batching.BatchReader`) and opens no shard wholly inside
+    them, so a shard ending at record ``e`` of the reader's stream is passed once
+    ``d >= ceil(e / window rows) * window_batches``; a live reader is ahead of its delivered
+    batches, never behind. Shards past a drop's quota are never read; the cycle records a top up
+    reads stay to the end. Other ranks' shards are none of this rank's.
+
+    Args:
+        exact: the readers skip nothing (no shard corrupt or gone): quotas end the stream where the
+            plan says. ``False`` keeps every shard past a quota and a top up's whole cycle (a
+            reader making up for a skipped shard reads on into it). Default: ``True``.
+    """
+    records = [int(r) for r in records]
+    rows = max(int(window_batches), 1) * plan.batch_size
+    counts, points, kept = [], [], set()
+    for worker in range(plan.workers):
+        reader = plan.reader(rank, worker)
+        counts.append(plan.batches(reader))
+        own = sum(records[int(i)] for i in plan.shards[reader])
+        quota = int(plan.quotas[reader]) if tops_up else own
+        mine, start = [], 0
+        for shard in (int(i) for i in plan.shards[reader]):
+            end = start + records[shard]
+            if exact and start >= quota:
+                mine.append((0, shard))  # past a drop's quota: never read
+            elif records[shard]:
+                mine.append((-(-end // rows) * window_batches, shard))
+            else:  # an empty shard is opened unless a resume skips beyond where it stands
+                mine.append(((start // rows + 1) * window_batches, shard))
+            start = end
+        points.append(tuple(sorted(mine)))
+        cycle = [int(i) for i in plan.cycle[reader] if records[int(i)]]
+        total = sum(records[i] for i in cycle)
+        if not tops_up or not cycle:
+            continue
+        if not exact or quota - own >= total:
+            kept.update(cycle)
+        elif quota > own:
+            position = 0
+            for shard in cycle:
+                if position < quota - own:
+                    kept.add(shard)
+                position += records[shard]
+    points = [tuple(point for point in mine if point[1] not in kept) for mine in points]
+    return ReadPoints(tuple(counts), tuple(points), frozenset(kept))

@@ -47,7 +47,7 @@ from .cache import Cache
 from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, run_id
 from .errors import EpochSyncError, MissingShardsError
 from .manifest import CACHE_ID, PIN_NAME
-from .planning import EpochPlan, plan_epoch
+from .planning import EpochPlan, plan_epoch, read_points, round_robin_progress
 from .rendezvous import EpochShards
 from .shard import ShardInfo
 
@@ -200,10 +200,7 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
     noted = epochs._noted if epochs._noted_epoch == latest.number else set()
     skipped = sorted({os.path.basename(path) for path, _, _ in noted} & names)
     if latest.pin is not None and getattr(latest, "assignment", None) is None:
-        spec = epochs.reader
-        needed = needed_shards(latest.plan, epochs.group.rank, latest.consumed, spec.window_batches * spec.batch_size,
-                               spec.window_batches, [int(r) for r in latest._records], epochs.tops_up)
-        latest.pin.shrink({latest.agreed.seqs[i] for i in needed})
+        latest.pin.shrink(set(latest.left()))
     state.update(epoch=latest.number, seed=latest.seed, progress=int(latest.consumed),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
@@ -311,50 +308,20 @@ def _check_snapshot(snapshot: Any) -> dict[str, Any] | None:
 
 
 # -- the resume ---------------------------------------------------------------------------------
-def split_progress(counts: Sequence[int], consumed: int) -> tuple[list[int], int]:
-    """Batches each reader had delivered after ``consumed`` batches taken round-robin (reader 0
-    first, readers that ran out left out: a ``DataLoader``'s order over its workers), and the
-    reader that delivers next (``0`` once all are done)."""
-    counts = [int(c) for c in counts]
-    consumed = min(int(consumed), sum(counts))
-    low, high = 0, max(counts, default=0)
-    while low < high:  # the most whole rounds t with sum(min(c, t)) <= consumed
-        mid = (low + high + 1) // 2
-        if sum(min(c, mid) for c in counts) <= consumed:
-            low = mid
-        else:
-            high = mid - 1
-    done = [min(c, low) for c in counts]
-    left = consumed - sum(done)
-    going = [w for w, c in enumerate(counts) if c > low]
-    for w in going[:left]:
-        done[w] += 1
-    following = going[left] if left < len(going) else 0
-    return done, following
+#: Batches each reader had delivered after some consumed round-robin: see
+#: :func:`growcache.planning.round_robin_progress`.
+split_progress = round_robin_progress
 
 
 def needed_shards(plan: EpochPlan, rank: int, consumed: int, window_rows: int, window_batches: int,
-                  records: Sequence[int], tops_up: bool) -> set[int]:
-    """Indices of the snapshot shards that rank ``rank`` still reads after ``consumed`` batches.
+                  records: Sequence[int], tops_up: bool, *, exact: bool = True) -> set[int]:
+    """Indices of the snapshot shards that rank ``rank`` still reads after ``consumed`` batches
+    (:meth:`growcache.planning.ReadPoints.left`; ``window_rows`` is ``window_batches`` batches).
 
     A reader passes over the whole shuffle windows it delivered, and the shards wholly inside
-    them are never opened again; a reader that may top up keeps its whole cycle.
+    them are never opened again; a top up keeps the start of its cycle that it reads again.
     """
-    counts = [plan.batches(plan.reader(rank, w)) for w in range(plan.workers)]
-    skips, _ = split_progress(counts, consumed)
-    needed: set[int] = set()
-    for worker in range(plan.workers):
-        index = plan.reader(rank, worker)
-        if tops_up:
-            needed.update(int(i) for i in plan.cycle[index])
-        to_skip = (skips[worker] // window_batches) * window_rows
-        for position, shard in enumerate(int(i) for i in plan.shards[index]):
-            if to_skip >= records[shard]:
-                to_skip -= records[shard]
-                continue
-            needed.update(int(i) for i in plan.shards[index][position:])
-            break
-    return needed
+    return read_points(plan, rank, records, window_batches, tops_up=tops_up, exact=exact).left(consumed)
 
 
 @dataclass(eq=False)
@@ -376,6 +343,21 @@ class _ResumedEpoch(Epoch):
             parts[0].then = tuple(parts[1:])
             return parts[0]
         return self._saved_share((reader + self.rotation) % self.plan.workers)
+
+    def _exact(self) -> bool:
+        return super()._exact() and not (self.gone is not None and self.gone.size)
+
+    def _left_indices(self) -> set[int]:
+        if self.assignment is None:
+            return super()._left_indices()
+        # Re-planned: each reader reads saved readers' rests one after another, no longer
+        # round-robin; what the rests read from the resume point on stays leased.
+        points = self.read_points()
+        return {shard for worker, mine in enumerate(points.points)
+                for _, shard in mine[points.passed(worker, self.skips[worker]):]} | points.kept
+
+    def _next_change(self) -> int:
+        return super()._next_change() if self.assignment is None else 2**62
 
     def _saved_share(self, original: int) -> ReaderShare:
         """The rest of saved reader ``original``'s share."""
@@ -522,7 +504,8 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
     batches = window_batches(params["shuffle_buffer"], params["batch_size"])
     # Shards the rest of the epoch does not read (the pin let them go as the epoch went on) may be gone.
     needed = needed_shards(plan, params["group_rank"], checked["progress"], batches * params["batch_size"], batches,
-                           records_of, params["even_batches"] and params["group_size"] > 1)
+                           records_of, params["even_batches"] and params["group_size"] > 1,
+                           exact=epochs.options.on_corrupt == "raise")
     lost = [(name, records) for i, (name, _, records) in enumerate(shards)
             if i in needed and name not in present and name not in skipped]
     if lost:
