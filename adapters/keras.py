@@ -271,18 +271,23 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                     metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        # Keras's counts epochs only at their ends: a restored run's saves named epoch 0 until one ended.
+        """Saves from now on name epoch ``epoch`` (Keras's counts epochs only at their ends: a run
+        started at ``initial_epoch`` saved epoch 0 until one ended)."""
         self._current_epoch = epoch
         self._steps = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._steps = batch + 1  # Keras's steps restart at 0 in a restored epoch: the dataset adds the saved ones
+        """Save every ``save_freq`` batches, the dataset's state at ``batch + 1`` steps of this
+        iterator (Keras's steps restart at 0 in a restored epoch: the dataset adds the saved ones)."""
+        self._steps = batch + 1
         super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Save with ``save_freq="epoch"``; either way, tell the dataset that training is done
+        with the epoch (it ends the epoch's lease and pin)."""
         super().on_epoch_end(epoch, logs)
         if self.save_freq != "epoch":
-            self.dataset.state_dict(consumed=self._steps)  # tells the dataset training is done with the epoch
+            self.dataset.state_dict(consumed=self._steps)
 
     def _save_model(self) -> None:
         os.makedirs(self.backup_dir, exist_ok=True)

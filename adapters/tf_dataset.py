@@ -118,9 +118,9 @@ def make_tf_dataset(
         ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``; its
         ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
         Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise")``
-        save and restore the exact position in an epoch, as a torch loader's do: see
-        :meth:`growcache.pull_feed.IteratorEpochs.state_dict` and, for Keras,
-        :class:`growcache.adapters.keras.BackupAndRestore`.
+        save and restore the exact position in an epoch, as a torch loader's do (``consumed``:
+        the batches taken from the current iterator, where no Python runs at ``next()``; see
+        docs/tensorflow.md); under Keras, :class:`growcache.adapters.keras.BackupAndRestore`.
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.

@@ -22,7 +22,8 @@ SECTIONS = [
     ("Schema", ["Schema", "FeatureSpec"]),
     ("Sampling", ["SamplerPool"]),
     # The adapters' shared epoch arguments are documented once, on the core's EpochOptions.
-    ("Framework adapters", ["make_tf_dataset", "fit_growing", "make_torch_loader", "growcache.epoch.EpochOptions"]),
+    ("Framework adapters", ["make_tf_dataset", "fit_growing", "growcache.adapters.keras.BackupAndRestore",
+                            "make_torch_loader", "growcache.epoch.EpochOptions"]),
     ("Is training waiting on data?", ["input_stats", "InputStats", "InputFigures", "growcache.metrics.CacheFigures",
                                       "growcache.adapters.keras.InputStatsCallback",
                                       "growcache.adapters.lightning.InputStatsCallback"]),
