@@ -212,6 +212,41 @@ def test_keras_backup_and_restore_resumes_the_epoch_where_it_stopped(grown, tmp_
     assert not backup.exists() and grown.stats().pins == 0
 
 
+class KilledWhileSaving(Recording):
+    """Its second weights save is cut short (half a file), as by a kill in the middle of it."""
+
+    saves = 0
+
+    def save_weights(self, filepath, overwrite=True):
+        type(self).saves += 1
+        if type(self).saves == 2:
+            with open(filepath, "wb") as f:
+                f.write(b"half an h5 file")
+            raise RuntimeError("killed while saving")
+        super().save_weights(filepath, overwrite=overwrite)
+
+
+def test_a_kill_while_saving_restores_the_previous_backup_whole(grown, tmp_path):
+    log: list = []
+    model = KilledWhileSaving(log)
+    model.compile(optimizer="sgd", loss="mse")
+    model({"x": np.zeros((1, 4, 8), np.float32)})
+    weights = []  # after the third step, when the first backup is written
+    keep = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: weights.append(model.get_weights()) if batch == 2 else None)
+    ds = _dataset(grown, label="id")
+    with pytest.raises(RuntimeError, match="killed while saving"):
+        fit_growing(model, ds, epochs=1, verbose=0,
+                    callbacks=[keep, BackupAndRestore(tmp_path / "backup", ds, save_freq=3)])
+    restored, ds = _model([]), _dataset(grown, label="id")
+    backup = BackupAndRestore(tmp_path / "backup", ds)
+    backup.set_model(restored)
+    backup.on_train_begin()
+    assert all(np.array_equal(a, b) for a, b in zip(restored.get_weights(), weights[0]))
+    assert restored._initial_epoch == 0
+    assert ds.state_dict()["progress"] == 3  # the position saved with those weights
+
+
 @pytest.mark.parametrize("field, value, match", [
     (None, {}, "'format'"),
     (None, {"epoch": -1}, "'epoch' is -1"),
