@@ -157,6 +157,9 @@ class IteratorEpochs:
             if behind and not finished:
                 keep_pin(epoch)  # dropped mid-epoch: a state saved in it may be resumed
             self.epochs.leave(number, finished)
+            if epoch is not None and epoch.ended:
+                with self._lock:
+                    self._base.pop(number, None)
         self.meter.left(number, finished)
         return np.int64(0)
 
