@@ -16,7 +16,8 @@ Contenders, each on the same store and windows:
 
 Reported per contender: MB/s and samples/s over a measured window after the first sample,
 sampler CPU seconds per GB, peak RSS of the sampler processes, and the time from ``start()``
-to the first published shard.
+of a pool on an empty cache to its first published shard and to the first batch (32 records)
+read and decoded from the cache.
 
 Run::
 
@@ -152,7 +153,30 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def run_pool(urls: list[str], window: int, workers: int, concurrency: int, seconds: float, tmp: str) -> dict:
+def first_batch(cache: Any, batch: int) -> bool:
+    """Read the first ``batch`` records the cache publishes, decoded into arrays, as a reader would:
+    ``True`` once a whole batch was read (``False``: not enough records published yet)."""
+    from growcache.example import ExampleCodec
+    from growcache.records import iter_records
+
+    codec, rows = ExampleCodec(cache.schema), []
+    snapshot = cache.snapshot(holder="fill benchmark")
+    try:
+        for shard in snapshot.shards:
+            for _, record in iter_records(shard.path):
+                rows.append(codec.decode(record)["x"])
+                if len(rows) == batch:
+                    np.stack(rows)
+                    return True
+    finally:
+        snapshot.close()
+    return False
+
+
+def run_pool(urls: list[str], window: int, workers: int, concurrency: int, seconds: float, tmp: str,
+             batch: int = 32) -> dict:
+    """``SamplerPool`` into a fresh cache: its fill rate, CPU, RSS, and the time from ``start()`` to
+    the first published shard and to the first batch of ``batch`` records read from the cache."""
     from growcache import Cache, SamplerPool, Schema
     from growcache.sources import NpyWindowSource
 
@@ -164,20 +188,26 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
     pool = SamplerPool(cache, source, workers=workers, concurrency=concurrency, shard_size="64MiB", seed=1)
     started = time.monotonic()
     pool.start()
+    first: dict[str, float | None] = {"shard": None, "batch": None}
+
+    def look() -> None:  # the first shard, then the first batch, as soon as each is there
+        if first["shard"] is None and pool.stats().shards:
+            first["shard"] = time.monotonic() - started
+        if first["shard"] is not None and first["batch"] is None and first_batch(cache, batch):
+            first["batch"] = time.monotonic() - started
+
     try:
-        first_shard = None
         while pool.stats().records_written < max(2, concurrency // 2) and time.monotonic() - started < 60:
+            look()
             time.sleep(0.01)
         t0, s0, cpu0 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
         end = t0 + seconds
         while time.monotonic() < end:
-            if first_shard is None and pool.stats().shards:
-                first_shard = time.monotonic() - started
+            look()
             time.sleep(0.02)
         t1, s1, cpu1 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
-        while first_shard is None and time.monotonic() - started < 30:
-            if pool.stats().shards:
-                first_shard = time.monotonic() - started
+        while first["batch"] is None and time.monotonic() - started < 30:
+            look()
             time.sleep(0.02)
     finally:
         final = pool.stop()
@@ -188,7 +218,8 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
     payload = samples * sample_bytes
     return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": samples / (t1 - t0),
             "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
-            "peak_rss_MB": max(final.worker_peak_rss) / 2**20, "first_shard_s": first_shard,
+            "peak_rss_MB": max(final.worker_peak_rss) / 2**20, "first_shard_s": first["shard"],
+            "first_batch_s": first["batch"],
             "latency_p50_ms": s1.latency_p50 * 1e3, "latency_p99_ms": s1.latency_p99 * 1e3,
             "throttle_events": s1.throttle_events}
 
@@ -237,7 +268,8 @@ def main(args: argparse.Namespace) -> dict:
         print(markdown(results))
         return results
     results: dict[str, Any] = {"runs": [], "host_cores": os.cpu_count(), "args": vars(args),
-                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "load_average": [os.getloadavg()[0]]}
     tmp = tempfile.mkdtemp(prefix="growcache-fill-")
     data = args.dir or os.path.join(tmp, "data")
     os.makedirs(data, exist_ok=True)
@@ -266,6 +298,7 @@ def main(args: argparse.Namespace) -> dict:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)  # the caches; arrays kept in --dir stay
+    results["load_average"].append(os.getloadavg()[0])  # other work on the host skews every figure
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -278,8 +311,9 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| latency | window | contender | MB/s | samples/s | x plain 32 | CPU s/GB | peak RSS MB | first shard s |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| latency | window | contender | MB/s | samples/s | x plain 32 | CPU s/GB | peak RSS MB | first shard s "
+             "| first batch s |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for run in results["runs"]:
         plain = run["contenders"]["plain_32_threads"]["MBps"]
         for name, c in run["contenders"].items():
@@ -289,7 +323,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {run['latency_ms']:g} ms | {run['window_bytes'] >> 10} KiB | `{name}` | {fmt(c['MBps'])} | "
                          f"{fmt(c.get('samples_per_s'), '.0f')} | {fmt(ratio, '.2f')} | "
                          f"{fmt(c.get('cpu_s_per_GB'), '.2f')} | {fmt(c.get('peak_rss_MB'), '.0f')} | "
-                         f"{fmt(c.get('first_shard_s'), '.2f')} |")
+                         f"{fmt(c.get('first_shard_s'), '.2f')} | {fmt(c.get('first_batch_s'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -302,7 +336,7 @@ def update_docs(results: dict, path: str = DOCS) -> None:
     a = results.get("args", {})
     block = (f"{BEGIN}\n\nMeasured {results.get('date', '')} on {results['host_cores']} cores: "
              f"{a.get('arrays')} arrays of {a.get('array_bytes', 0) >> 20} MiB, the relay's jitter "
-             f"{a.get('jitter_ms', 0):g} ms, {a.get('seconds')} s measured per contender.\n\n"
+             f"{a.get('jitter_ms', 0):g} ms, {a.get('seconds')} s measured per contender{_load(results)}.\n\n"
              f"![fill rate against concurrency](img/fill.png)\n\n{markdown(results)}\n\n{END}")
     with open(path) as f:
         text = f.read()
@@ -312,6 +346,13 @@ def update_docs(results: dict, path: str = DOCS) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"  # the first run: at the end
     with open(path, "w") as f:
         f.write(text)
+
+
+def _load(results: dict) -> str:
+    load = results.get("load_average")
+    if not load:
+        return ""
+    return f"; the host's load average {load[0]:.1f} at the start, {load[-1]:.1f} at the end"
 
 
 def plot(results: dict, path: str) -> None:

@@ -33,7 +33,9 @@ import numpy as np
 
 logger = logging.getLogger("growcache.sampler")
 
-DEFAULT_MAX_BYTES_IN_FLIGHT = 256 * 2**20
+# With the default concurrency (64) this bounds the samples in flight by their size: 64 windows
+# of 1 MiB, 16 of 4 MiB (see SamplerPool's docstring and docs/benchmarks.md).
+DEFAULT_MAX_BYTES_IN_FLIGHT = 64 * 2**20
 # The in-flight limit is halved at most once per this many seconds: the requests in flight when
 # a store first throttles all fail together, and one cut answers all of them.
 _CUT_INTERVAL_S = 0.25

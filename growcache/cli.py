@@ -291,7 +291,7 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="sampler processes (default: 1)")
     p.add_argument("--concurrency", type=int, default=None, metavar="N",
                    help="samples each sampler process keeps in flight: concurrent range requests to the store "
-                        "(default: SamplerPool's, 32; 1 = one request at a time)")
+                        "(default: SamplerPool's, 64; 1 = one request at a time)")
     p.add_argument("--window", type=int, default=None,
                    help="rows per sample: random windows of .npy arrays read by byte range (default: whole objects)")
     p.add_argument("--feature", default=None, help="feature name of the sampled array (default: x)")

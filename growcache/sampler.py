@@ -110,7 +110,7 @@ _AREA_HEAD = 3
 _OPEN_HEAD = 0
 # A shard in progress holds at most this many records, so that its indices fit a fixed array.
 _MAX_SHARD_RECORDS = 65536
-DEFAULT_CONCURRENCY = 32
+DEFAULT_CONCURRENCY = 64  # measured: docs/benchmarks.md, Filling the cache from a far store
 _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -121,6 +121,7 @@ _SERIAL_CLAIMS = 8  # indices a worker drawing one sample at a time claims under
 _RESTART_WINDOW_S = 600.0  # max_restarts counts the restarts of this many seconds
 # After stop(), a worker still inside one sample call this long is interrupted (a silent store).
 _INTERRUPT_AFTER_S = 0.5
+_PARENT_CHECK_S = 0.1  # a worker looks this often whether the training process is still there
 _MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
 
 
@@ -164,17 +165,18 @@ class _ReusedSampleRNG:
     fifth of the cost of a new one): for a worker that draws one sample at a time."""
 
     def __init__(self, seed: int, run: int) -> None:
-        self._key = _run_key(seed, run)
-        self._bits = np.random.Philox(key=np.array([self._key, 0], dtype=np.uint64))
+        self._key = np.array([_run_key(seed, run), 0], dtype=np.uint64)
+        self._bits = np.random.Philox(key=self._key)
         self._rng = np.random.Generator(self._bits)
+        # A fresh stream's state (counter zero, buffer empty), set again for every sample with
+        # only the key's index changed in place: the setter copies the values it is given.
         self._state = self._bits.state
+        self._state["state"] = {"counter": np.zeros(4, dtype=np.uint64), "key": self._key}
+        self._state["buffer_pos"], self._state["has_uint32"], self._state["uinteger"] = 4, 0, 0
 
     def __call__(self, index: int) -> np.random.Generator:
-        state = self._state
-        state["state"] = {"counter": np.zeros(4, dtype=np.uint64),
-                          "key": np.array([self._key, index], dtype=np.uint64)}
-        state["buffer_pos"], state["has_uint32"], state["uinteger"] = 4, 0, 0
-        self._bits.state = state
+        self._key[1] = index
+        self._bits.state = self._state
         return self._rng
 
 
@@ -214,30 +216,14 @@ class _Indices:
         return (self.base if base is None else base) + _OPEN_HEAD + self.slots + area * self.area_size
 
     # -- a worker's side -------------------------------------------------------------------------
-    def claim(self, slot: int) -> int | None:
-        """A new index, held in in-flight ``slot``; ``None`` when ``stop_after`` indices are all claimed."""
-        held, control, at = self.held, self.control, self.base + _OPEN_HEAD + slot
-        with self.lock:
-            waiting = control[_NRETURNED]
-            if waiting > 0:
-                index = self.returned[waiting - 1]
-                held[at] = index
-                control[_NRETURNED] = waiting - 1
-                return index
-            index = control[_NEXT]
-            if 0 <= control[_END] <= index:
-                return None
-            held[at] = index
-            control[_NEXT] = index + 1
-            return index
-
-    def claim_many(self, count: int) -> list[tuple[int, int]]:
-        """Up to ``count`` new indices, held in in-flight slots ``0..count-1``, as ``(slot, index)``
-        pairs in the reverse order of their claim (so that ``pop()`` takes the first)."""
+    def claim_slots(self, slots: list[int]) -> list[tuple[int, int]]:
+        """New indices, one held in each in-flight slot of ``slots`` in turn, under one lock;
+        ``(slot, index)`` pairs in claim order, fewer than the slots once ``stop_after``
+        indices are all claimed."""
         held, control, at = self.held, self.control, self.base + _OPEN_HEAD
         out: list[tuple[int, int]] = []
         with self.lock:
-            for slot in range(count):
+            for slot in slots:
                 waiting = control[_NRETURNED]
                 if waiting > 0:
                     index = self.returned[waiting - 1]
@@ -250,7 +236,7 @@ class _Indices:
                     held[at + slot] = index
                     control[_NEXT] = index + 1
                 out.append((slot, index))
-        return out[::-1]
+        return out
 
     def opened(self, area: int, token: int) -> None:
         """A new shard in progress, whose temporary's name ends in ``token``, fills ``area``."""
@@ -444,10 +430,13 @@ class SamplerPool:
             source runs concurrently only if it declares it can (see
             :class:`~growcache.sources.Source`), else one sample at a time. ``1`` draws one
             sample at a time, as growcache did before. Every sample has its own RNG (see
-            :func:`sample_rng`), so the records drawn do not depend on it. Default: ``32``.
+            :func:`sample_rng`), so the records drawn do not depend on it. Default: ``64``
+            (measured: 32 in flight cannot reach 300 MB/s of 1 MiB windows at 100 ms, since
+            a sample holds its slot until it is written; see docs/benchmarks.md).
         max_bytes_in_flight: bytes each worker may hold in samples being fetched or waiting
             for the shard writer (int or ``"64MiB"``); a sample larger than this is fetched
-            alone. Default: ``"64MiB"``.
+            alone. With large samples it, not ``concurrency``, bounds the samples in flight:
+            64 of 1 MiB, 16 of 4 MiB. Default: ``"64MiB"``.
 
     Raises:
         CacheFullError: ``shard_size`` is larger than the cache's capacity.
@@ -1189,9 +1178,18 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
         handler.setFormatter(logging.Formatter(f"growcache sampler {index} %(levelname)s %(message)s"))
         log.addHandler(handler)
 
+    parent_checked = [time.monotonic()]
+
     def stopping() -> bool:
-        # The parent may die without calling stop(): never outlive it.
-        return bool(control[_STOP]) or os.getppid() != parent_pid
+        if control[_STOP]:
+            return True
+        # The parent may die without calling stop(): never outlive it. Asked a few times a
+        # second, not per sample (a system call, a tenth of a small sample's time).
+        now = time.monotonic()
+        if now - parent_checked[0] < _PARENT_CHECK_S:
+            return False
+        parent_checked[0] = now
+        return os.getppid() != parent_pid
 
     sampling = _SampleWatch(stopping)
     source = cfg.source
@@ -1213,6 +1211,33 @@ def _worker_main(cfg: _WorkerConfig, index: int, restart: int, counters: Any, re
         if loop is not None:
             loop.close()
         reports_to.close()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+_MALLOC_SLACK = 32 << 20  # glibc's largest mmap threshold on 64-bit
+
+
+def _keep_freed_memory(keep: int) -> None:
+    """Let glibc's malloc reuse the memory of finished samples instead of returning it to the kernel.
+
+    Every sample's bytes (a window, its response's chunks) are allocated, written into the
+    shard and freed. glibc serves blocks above its mmap threshold (128 KiB at first) with
+    ``mmap``, and gives back free memory at the top of its heaps above the trim threshold:
+    each new window then cost fresh pages, faulted in and zeroed by the kernel, about a
+    tenth of the sampler's CPU time at 1 MiB windows. Blocks up to 32 MiB now come from
+    the heaps, which keep up to ``keep`` bytes free: the bytes in flight are bounded
+    (``max_bytes_in_flight``), so the memory kept is too, and RSS stays flat. Other C
+    libraries (musl) are left as they are.
+    """
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt(_M_MMAP_THRESHOLD, _MALLOC_SLACK)
+    mallopt(_M_TRIM_THRESHOLD, min(keep, 2**31 - 1))
 
 
 def _temp_token(path: str) -> int:
@@ -1250,6 +1275,7 @@ class _SampleLoop:
             self.source.store_answered = True
         if cfg.concurrency > 1 and hasattr(self.source, "set_concurrency"):
             self.source.set_concurrency(cfg.concurrency)
+        _keep_freed_memory(cfg.max_bytes_in_flight + 2 * _MALLOC_SLACK)
 
     # -- shards ------------------------------------------------------------------------------------
     def publish(self, background: bool = False) -> None:
@@ -1313,6 +1339,7 @@ class _SampleLoop:
             counters[base + _ANSWERED] = 1
         if self.writer is None:
             self.writer = self.cache.writer(should_stop=self.stopping)
+            self.writer.reserve(cfg.shard_size)
             self.indices.opened(self.area, _temp_token(self.writer.path))
             self.opened = time.monotonic()
         self.writer.write(sample)  # validates against the schema
@@ -1381,7 +1408,8 @@ class _SampleLoop:
             if self.old_enough(sample_s):
                 self.publish()
             if not claimed:
-                claimed = indices.claim_many(min(indices.slots, _SERIAL_CLAIMS))
+                # Reversed, so that pop() takes them in claim order.
+                claimed = indices.claim_slots(list(range(min(indices.slots, _SERIAL_CLAIMS))))[::-1]
                 if not claimed:
                     break
             slot, index = claimed.pop()
@@ -1411,15 +1439,16 @@ class _SampleLoop:
             if self._publish_error is not None:
                 self.join_publisher()
             batch = []
-            while not exhausted and outstanding < flow.allowed() and free:
-                slot = free.pop()
-                index = indices.claim(slot)
-                if index is None:
-                    free.append(slot)
+            wanted = min(flow.allowed() - outstanding, len(free))
+            if not exhausted and wanted > 0:
+                slots = [free.pop() for _ in range(wanted)]
+                claimed = indices.claim_slots(slots)  # one lock for all of them
+                if len(claimed) < wanted:
+                    free.extend(reversed(slots[len(claimed):]))
                     exhausted = True
-                    break
-                batch.append(Task(index, sample_rng(cfg.seed, index, cfg.run), slot, Ticket(flow)))
-                outstanding += 1
+                for slot, index in claimed:
+                    batch.append(Task(index, sample_rng(cfg.seed, index, cfg.run), slot, Ticket(flow)))
+                outstanding += len(claimed)
             engine.submit_many(batch)
             if exhausted and outstanding == 0:
                 break

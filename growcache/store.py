@@ -9,14 +9,13 @@ build on it; it depends on none of them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,10 @@ logger = logging.getLogger(__name__)
 Sample = dict[str, np.ndarray]
 
 _GLOB_CHARS = frozenset("*?[")
+# This process's id, renewed in a forked child: a filesystem made before a fork must not be
+# used after it, and os.getpid() is a system call on every sample.
+_this_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _this_pid.__setitem__(0, os.getpid()))
 # fsspec protocol -> growcache extra that installs its backend.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
@@ -169,11 +172,13 @@ class StoreSource(Source):
         client's timeouts and retries set from :attr:`retry` where ``storage_options``
         leave them unset.
         """
-        if self._fs is None or self._fs_pid != os.getpid():
+        fs = self._fs
+        if fs is None or self._fs_pid != _this_pid[0]:
             with self._lock:
-                if self._fs is None or self._fs_pid != os.getpid():
+                if self._fs is None or self._fs_pid != _this_pid[0]:
                     self._make_fs()
-        return self._fs
+                fs = self._fs
+        return fs
 
     def _make_fs(self) -> None:
         """Assumes you hold ``self._lock``."""
@@ -198,7 +203,7 @@ class StoreSource(Source):
             _without_gcsfs_retries(fs)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self._protocol = protocol
-        self._fs, self._fs_pid = fs, os.getpid()
+        self._fs, self._fs_pid = fs, _this_pid[0]
 
     def _url(self, path: str) -> str:
         """The URL of a store path, for messages (credentials removed)."""
@@ -207,48 +212,40 @@ class StoreSource(Source):
         bare = self._protocol in ("file", "local") or "://" in path
         return self._redact(path if bare else f"{self._protocol}://{path}")
 
-    def _io(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
+    def _io(self, what: str | _Reading, url: str | Callable[[], str], fn: Callable[[], Any]) -> Any:
         """Run one store call with retries; turn store errors into growcache errors.
 
         Three layers: the :class:`RetryPolicy`'s tries; the in-flight limit of the sampler
         (told of each throttled try); and, once the store has answered, the outage budget.
+        ``url`` is the URL for messages, or a function that makes it (called only when a try fails).
         """
-        attempts = _Attempts(self, what, url)
+        attempts = None  # made at the first failure: most calls succeed at once
         while True:
             try:
                 return self._timed(fn)
             except GrowcacheError:
                 raise
             except Exception as exc:
+                attempts = attempts or _Attempts(self, what, url)
                 pause = attempts.pause_after(exc)
             time.sleep(pause)
 
-    async def _aio(self, what: str, url: str, fn: Callable[[], Any]) -> Any:
+    async def _aio(self, what: str | _Reading, url: str | Callable[[], str], fn: Callable[[], Any]) -> Any:
         """:meth:`_io` for a coroutine function ``fn``, in the event loop of the sampler."""
-        attempts = _Attempts(self, what, url)
+        attempts = None
         while True:
             try:
                 return await self._atimed(fn)
             except GrowcacheError:
                 raise
             except Exception as exc:
+                attempts = attempts or _Attempts(self, what, url)
                 pause = attempts.pause_after(exc)
             await asyncio.sleep(pause)
 
-    @contextlib.contextmanager
-    def _request(self) -> Iterator[None]:
+    def _request(self) -> _Request:
         """One request: counted in flight by the sample's flow, timed if it is answered."""
-        ticket = current_ticket()
-        if ticket is not None:
-            ticket.flow.request_started()
-        began, latency = time.monotonic(), None
-        try:
-            yield
-            latency = time.monotonic() - began
-        finally:
-            if ticket is not None:
-                ticket.flow.request_ended(latency)
-        self._answered()
+        return _Request(self, current_ticket())
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         with self._request():
@@ -326,30 +323,33 @@ class StoreSource(Source):
 
     def _fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         fs = self.fs
-        url = self._url(path)
 
         def read() -> bytes:
-            self._count(requests=1)
-            data = fs.cat_file(path, start=start, end=end)
-            self._count(nbytes=len(data))
+            try:
+                data = fs.cat_file(path, start=start, end=end)
+            except BaseException:
+                self._count(requests=1)
+                raise
+            self._count(requests=1, nbytes=len(data))
             return data
 
-        what = "reading" if start is None else f"reading bytes {start}-{end} of"
-        return self._io(what, url, read)
+        # The URL and what was done are only spelled out for a message (thousands of reads a second).
+        return self._io(_Reading(start, end), lambda: self._url(path), read)
 
     async def _afetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """:meth:`_fetch` through the async filesystem's ``_cat_file``, in the sampler's event loop."""
         fs = self.fs
-        url = self._url(path)
 
         async def read() -> bytes:
-            self._count(requests=1)
-            data = await fs._cat_file(path, start=start, end=end)
-            self._count(nbytes=len(data))
+            try:
+                data = await fs._cat_file(path, start=start, end=end)
+            except BaseException:
+                self._count(requests=1)
+                raise
+            self._count(requests=1, nbytes=len(data))
             return data
 
-        what = "reading" if start is None else f"reading bytes {start}-{end} of"
-        return await self._aio(what, url, read)
+        return await self._aio(_Reading(start, end), lambda: self._url(path), read)
 
     # -- the byte budget of a sampler's samples in flight -------------------------------------
     def _claim_bytes(self, nbytes: int) -> None:
@@ -428,8 +428,9 @@ class StoreSource(Source):
 class _Attempts:
     """The tries of one store call: the retry policy's, then an outage's (see :meth:`StoreSource._io`)."""
 
-    def __init__(self, source: StoreSource, what: str, url: str) -> None:
-        self.source, self.what, self.url = source, what, url
+    def __init__(self, source: StoreSource, what: str | _Reading, url: str | Callable[[], str]) -> None:
+        self.source, self.what = source, str(what)
+        self.url = url if isinstance(url, str) else url()
         self.delays = source.retry.delays()
         self.start = time.monotonic()
         self.attempt = 0
@@ -454,6 +455,39 @@ class _Attempts:
         if pause is None:
             raise source._outage_failure(self.what, self.url, exc, self.outage_since) from exc
         return pause
+
+
+class _Request:
+    """Context of one store request (see :meth:`StoreSource._request`); a class, not a generator
+    context manager: it wraps every request, thousands a second."""
+
+    __slots__ = ("source", "ticket", "began")
+
+    def __init__(self, source: StoreSource, ticket: Any) -> None:
+        self.source, self.ticket = source, ticket
+
+    def __enter__(self) -> None:
+        if self.ticket is not None:
+            self.ticket.flow.request_started()
+        self.began = time.monotonic()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.ticket is not None:
+            self.ticket.flow.request_ended(time.monotonic() - self.began if exc_type is None else None)
+        if exc_type is None:
+            self.source._answered()
+
+
+class _Reading:
+    """What a ranged read does, spelled out only if a message needs it."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, start: int | None, end: int | None) -> None:
+        self.start, self.end = start, end
+
+    def __str__(self) -> str:
+        return "reading" if self.start is None else f"reading bytes {self.start}-{self.end} of"
 
 
 _S3 = frozenset({"s3", "s3a"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 from collections.abc import Callable, Container, Mapping
 from typing import Any, Protocol
 
@@ -27,6 +28,26 @@ logger = logging.getLogger(__name__)
 # 16 KiB record, a fraction of the syscall it saves.
 _DIRECT_FRAME_BYTES = 256 << 10
 _STAGE_BYTES = _DIRECT_FRAME_BYTES  # so every record that is staged fits
+_FALLOC_FL_KEEP_SIZE = 1  # linux/falloc.h
+
+
+def _linux_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate(fd, mode, offset, len)`` (Linux only; Python has only ``posix_fallocate``,
+    which grows the file), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate: Any = None  # looked up on first use
 
 
 def temp_shard_name(token: str) -> str:
@@ -160,6 +181,7 @@ class ShardWriter:
         _proc.keep_alive(self.path)
         self._stage: memoryview | None = None  # allocated on the first small record
         self._staged = 0
+        self._reserved = 0  # bytes of disk set aside past the end of the file (see reserve)
         # Every record of a schema has the same length, so its frame header and the Example
         # bytes before the first payload are one constant piece, and that prefix's CRC is
         # computed once. Small records are written tens of thousands per second, and each
@@ -216,6 +238,26 @@ class ShardWriter:
                 pieces.append(next_prefix)
         pieces.append(frame_footer(crc))
         self._append_frame(pieces, self._record_frame_bytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Set aside disk space for the shard's next ``nbytes`` before they are written.
+
+        The file system then allocates the shard's blocks in one call instead of a page at a
+        time as writes arrive, which took about a third of the kernel's CPU time per GB
+        written (ext4). The file's size does not change, so the shard reads as before; what is
+        left unused is given back when the shard is published. Best effort: does nothing
+        where the platform or file system cannot (not Linux, a full disk, tmpfs quotas).
+        """
+        global _fallocate
+        if self._fd is None or nbytes <= 0:
+            return
+        if _fallocate is None:
+            _fallocate = _linux_fallocate() or False
+        if not _fallocate:
+            return
+        offset = self.nbytes
+        if _fallocate(self._fd, _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0:
+            self._reserved = max(self._reserved, offset + nbytes)
 
     def write_serialized(self, record: Any) -> None:
         """Append one already serialized record (it must follow the schema); the buffer may be reused after."""
@@ -280,6 +322,16 @@ class ShardWriter:
             self.abort()
             return None
         self._flush()
+        if self._reserved > self.nbytes:
+            # Give back the reserved blocks past the end. A truncation to the same size frees
+            # nothing on some file systems (btrfs): grow by one byte, then cut.
+            try:
+                os.ftruncate(self._fd, self.nbytes + 1)
+                os.ftruncate(self._fd, self.nbytes)
+            except OSError as exc:
+                self.abort()
+                raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
+                raise
         if self.durable:
             try:
                 os.fsync(self._fd)  # a filesystem that allocates late reports a full disk here

@@ -24,6 +24,7 @@ def test_fill_benchmark_quick(tmp_path):
     pool, plain = run["contenders"]["pool_1w_c8"], run["contenders"]["plain_32_threads"]
     assert pool["MBps"] > 0 and pool["samples_per_s"] > 0 and plain["MBps"] > 0
     assert pool["first_shard_s"] is not None and 0 < pool["peak_rss_MB"] < 1000
+    assert pool["first_batch_s"] >= pool["first_shard_s"]
     table = fill.markdown(results)
     assert "`pool_1w_c8`" in table and "`ideal_32`" in table
     docs = tmp_path / "benchmarks.md"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,21 @@ def test_a_feature_with_a_zero_dimension_is_written_and_read_back(tmp_path, rows
         writer.write({"empty": np.zeros((0, 3), np.float32), "x": np.full(rows, 2, np.float32)})
     (sample,) = _read_back(cache)
     assert sample["empty"].shape == (0, 3) and (sample["x"] == 2).all()
+
+
+@pytest.mark.parametrize("floats", [16, 1 << 18], ids=["staged", "direct"])
+def test_space_reserved_for_a_shard_is_given_back_when_it_is_published(tmp_path, floats):
+    cache = Cache(tmp_path / "c", capacity=1 << 30, schema=Schema({"x": ("float32", (floats,))}))
+    reserve = 64 << 20
+    with cache.writer() as writer:
+        writer.reserve(reserve)
+        if not writer._reserved:
+            pytest.skip(f"the file system of {tmp_path} cannot reserve space (fallocate): nothing to give back")
+        for value in range(3):
+            writer.write({"x": np.full(floats, value, np.float32)})
+        assert os.stat(writer.path).st_size < reserve  # the reservation does not show as size
+    (shard,) = cache.list_shards()
+    assert os.stat(shard.path).st_size == shard.nbytes
+    assert os.stat(shard.path).st_blocks * 512 < shard.nbytes + (1 << 20), "the reserved blocks stayed allocated"
+    assert [int(s["x"][0]) for s in _read_back(cache)] == [0, 1, 2]
+    assert cache.verify().corrupt == []
