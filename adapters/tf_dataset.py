@@ -119,8 +119,8 @@ def make_tf_dataset(
         ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
         Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise")``
         save and restore the exact position in an epoch, as a torch loader's do (``consumed``:
-        the batches taken from the current iterator, where no Python runs at ``next()``; see
-        docs/tensorflow.md); under Keras, :class:`growcache.adapters.keras.BackupAndRestore`.
+        the batches taken from the current iterator, unless an eager loop reads ``ds`` itself;
+        see docs/tensorflow.md); under Keras, :class:`growcache.adapters.keras.BackupAndRestore`.
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.

@@ -165,13 +165,21 @@ class IteratorEpochs:
 
     def took(self, epoch: Epoch | None = None) -> Epoch | None:
         """The training loop took a batch of ``epoch`` (default: the latest started), counted in
-        :attr:`~growcache.epoch.Epoch.consumed`: where the framework's iterator hands batches to
-        Python one by one (eager TensorFlow). Returns the epoch."""
+        :attr:`~growcache.epoch.Epoch.consumed` (:meth:`~growcache.epoch.Epoch.consume`: the
+        epoch's lease lets go of shards read whole): where the framework's iterator hands batches
+        to Python one by one (eager TensorFlow). Returns the epoch."""
         self._follow = True  # the loop's progress is known from now on: epochs end with it
         epoch = epoch if epoch is not None else self.epochs.latest
         if epoch is not None:
-            epoch.consumed += 1
+            self._count(epoch, epoch.consumed + 1)
         return epoch
+
+    def _count(self, epoch: Epoch, consumed: int) -> None:
+        if self.replays or consumed < epoch.consumed:
+            # TensorFlow's interleave does not read in the plan's order: the lease holds everything.
+            epoch.consumed = consumed
+        elif consumed > epoch.consumed:  # the readers deliver round-robin: the lease lets go of shards read
+            epoch.consume(consumed - epoch.consumed)
 
     def done(self, epoch: Epoch | None) -> None:
         """The training loop is done with ``epoch`` (read its iterator to the end, or dropped it):
@@ -218,7 +226,8 @@ class IteratorEpochs:
                                  f"integer >= 0, not {consumed!r}")
             if latest is not None:
                 with self._lock:
-                    latest.consumed = self._base.get(latest.token, 0) + int(consumed)
+                    base = self._base.get(latest.token, 0)
+                self._count(latest, base + int(consumed))
         done = latest is None or latest.consumed >= latest.batches()
         loaded = epochs.resume is not None  # a state loaded, not yet resumed: given back as loaded
         if not done and not loaded:
