@@ -393,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--window-kib", type=_ints, default=[1024, 16])
     p.add_argument("--workers", type=_ints, default=[1, 2])
-    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 128])
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32, 64, 128])
     p.add_argument("--arrays", type=int, default=4)
     p.add_argument("--array-bytes", type=int, default=64 << 20)
     p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per contender")
