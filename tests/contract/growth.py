@@ -105,17 +105,24 @@ def ids_of(cache_path: str, seqs: list[int]) -> list[int]:
 class Recorder:
     """What one rank saw, epoch by epoch."""
 
-    def __init__(self, cache_path: str, holder: str | None = None) -> None:
+    def __init__(self, cache_path: str, snapshot: Any, holder: str | None = None) -> None:
         self.cache_path = cache_path
+        self.snapshot = snapshot  # () -> the running epoch's shards (loader.last_epoch.shards)
         self.holder = holder
         self.epochs: list[dict[str, Any]] = []
 
     def epoch(self, batches: Any) -> None:
-        """Consume one epoch's batches of ids (numpy arrays), observing the lease at the first."""
+        """Consume one epoch's batches of ids (numpy arrays), observing the snapshot and lease at the first.
+
+        The lease lets go of shards the epoch has read whole as it goes on, so at the first batch
+        it holds the rest of the snapshot: a subset of it, never a shard outside it.
+        """
         entry: dict[str, Any] = {"delivered": [], "batches": 0}
         for ids in batches:
             if entry["batches"] == 0:
-                entry["leased"] = own_lease(self.cache_path, self.holder)
+                entry["leased"] = sorted(shard.seq for shard in self.snapshot())
+                held = own_lease(self.cache_path, self.holder)
+                assert held and set(held) <= set(entry["leased"]), f"lease {held} outside snapshot {entry['leased']}"
                 entry["shard_ids"] = ids_of(self.cache_path, entry["leased"])
             entry["delivered"] += [int(i) for i in ids]
             entry["batches"] += 1

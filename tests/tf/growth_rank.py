@@ -33,7 +33,7 @@ def main(cache: str, out: str, rank: int, world: int, pipelines: int = 1, split:
             ctx = tf.distribute.InputContext(num_input_pipelines=total, input_pipeline_id=index,
                                              num_replicas_in_sync=total)
             ds = growcache.make_tf_dataset(cache, growth.BATCH, input_context=ctx, shuffle_buffer=0, split=split)
-            recorder = growth.Recorder(cache, holder=f"tf pipeline {index}/{total}")
+            recorder = growth.Recorder(cache, lambda: ds.epochs.latest.shards, holder=f"tf pipeline {index}/{total}")
             for epoch in range(epochs):
                 recorder.wait_for_growth()
                 recorder.epoch(batch["id"].numpy() for batch in ds)

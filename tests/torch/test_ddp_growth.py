@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, port: int, cache_dirs: list[str], out: str, spl
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cache_dir = cache_dirs[rank // per_node]
     loader = growcache.make_torch_loader(cache_dir, growth.BATCH, num_workers=1, split=split, shuffle_buffer=0)
-    recorder = growth.Recorder(cache_dir)
+    recorder = growth.Recorder(cache_dir, lambda: loader.last_epoch.shards)
 
     def batches():
         for batch in loader:
