@@ -31,6 +31,7 @@ __all__ = [
     "Skipped",
     "default_shuffle_buffer",
     "growcache_frames",
+    "past_gone",
     "window_batches",
 ]
 
@@ -117,6 +118,15 @@ class ReaderShare:
     def records_owned(self) -> int:
         """Records in this reader's own shards."""
         return int(self.records[self.shards].sum())
+
+
+def past_gone(share: ReaderShare, remaining: int, to_skip: int, drop: int, batch_size: int) -> int:
+    """The records a resumed ``share`` still yields once it meets a shard gone from the cache
+    (see :meth:`BatchReader._gone`), ``to_skip`` records short of its resume point, ``drop``
+    batches of the window it re-reads delivered before the save. A quota is a promise of
+    batches to DDP: those delivered batches still count against it, so the rank yields its
+    planned batch count (and as many of its last records are not read this epoch)."""
+    return remaining - to_skip - (drop * batch_size if share.quota >= 0 else 0)
 
 
 def window_batches(shuffle_buffer: int, batch_size: int) -> int:
@@ -224,7 +234,8 @@ class BatchReader:
 
         If the window a resume re-reads is still open, it cannot be rebuilt as it was without the
         shard's records: the caller delivers it whole (at most one window of records again)
-        rather than drop batches that would now hold records never delivered."""
+        rather than drop batches that would now hold records never delivered; with a quota, its
+        batch count stays the planned one (:func:`past_gone`)."""
         corrupt.add(index)
         records = int(share.records[index])
         self.records_skipped += records
@@ -316,7 +327,7 @@ class BatchReader:
                 remaining -= int(share.records[index])
                 continue
             if index in gone:
-                drop, remaining, to_skip = 0, remaining - to_skip, 0  # see _gone
+                drop, remaining, to_skip = 0, past_gone(share, remaining, to_skip, drop, batch_size), 0
                 yield self._gone(share, index, corrupt)
                 continue
             path = os.fsdecode(share.paths[index])

@@ -62,7 +62,14 @@ from .planning import EpochPlan, ReadPoints, plan_epoch, read_points, reader_see
 from .readers import ReaderSpec
 from .records import check_named_size, check_records
 from .schema import Schema
-from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, LocalRendezvous, Rendezvous
+from .rendezvous import (
+    CollectiveRendezvous,
+    EpochShards,
+    FileRendezvous,
+    LocalRendezvous,
+    Rendezvous,
+    disagreement,
+)
 from .shard import ShardInfo
 from .snapshot import Snapshot
 
@@ -522,11 +529,15 @@ class Epochs:
 
             agreement = self._rendezvous.share(number, take)
             shards = agreement.shards
-            if shards.error:
+            resumers = [r for r, note in enumerate(agreement.notes or [shards.note]) if note]
+            if shards.error or resumers:
                 if "error" in taken:
                     raise taken["error"]
                 if "snapshot" in taken:
                     taken["snapshot"].close()
+                if resumers:  # every rank sees it where the rendezvous is collective: none reads on alone
+                    raise EpochSyncError(disagreement(agreement.notes or [shards.note, ""], group,
+                                                      collective=agreement.notes is not None))
                 raise _error_class(shards.error_type)(
                     f"{shards.error} (reported by the first rank of a group of ranks sharing an epoch)")
             if agreement.took:

@@ -47,6 +47,7 @@ __all__ = [
     "FileRendezvous",
     "LocalRendezvous",
     "Rendezvous",
+    "disagreement",
     "remove_stale_epoch_files",
 ]
 
@@ -78,6 +79,8 @@ class EpochShards:
         error: why the first rank could not take the snapshot (every rank raises it);
             ``""`` when it could.
         error_type: the class name of that error. Default: ``""``.
+        note: what the first rank resumes (:func:`growcache.resume.resume_note`), which every
+            rank must resume too; ``""``: a fresh epoch. Default: ``""``.
     """
 
     epoch: int
@@ -86,10 +89,11 @@ class EpochShards:
     names: tuple[str, ...] = ()
     error: str = ""
     error_type: str = ""
+    note: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "seed": self.seed, "seqs": list(self.seqs), "names": list(self.names),
-                "error": self.error, "error_type": self.error_type}
+                "error": self.error, "error_type": self.error_type, "note": self.note}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> EpochShards:
@@ -97,7 +101,7 @@ class EpochShards:
             seqs = tuple(int(s) for s in data["seqs"])
             names = tuple(str(n) for n in data.get("names", ()))
             return cls(int(data["epoch"]), int(data["seed"]), seqs, names, str(data.get("error") or ""),
-                       str(data.get("error_type") or ""))
+                       str(data.get("error_type") or ""), str(data.get("note") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise EpochSyncError(f"epoch file {where} is damaged ({exc!r}); delete it, the first rank writes "
                                  "it again at its next epoch") from None
@@ -108,6 +112,9 @@ class Agreement(Protocol):
 
     shards: EpochShards
     took: bool  # this rank took the snapshot (it is the group's first rank for this epoch)
+    #: Every world rank's ``note`` (what it resumes), in rank order, where the rendezvous is
+    #: collective; ``None`` otherwise (only the first rank's is known, in ``shards.note``).
+    notes: list[str] | None
 
     def confirm(self, leased: bool, batches: int) -> list[tuple[bool, int]] | None:
         """Say that this rank leased the shards (or failed to) and yields ``batches`` batches.
@@ -123,10 +130,11 @@ class Agreement(Protocol):
 class Rendezvous(Protocol):
     """Carries one group's agreement, epoch by epoch."""
 
-    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+    def share(self, epoch: int, take: Callable[[], EpochShards], note: str = "") -> Agreement:
         """Epoch ``epoch`` of the group: ``take()`` runs on the rank that takes the snapshot,
         and every rank gets what it returned. ``take`` reports failure as data
-        (:attr:`EpochShards.error`), so that no rank is left waiting."""
+        (:attr:`EpochShards.error`), so that no rank is left waiting. ``note``: what this rank
+        resumes (``""``: nothing), gathered from every rank where the rendezvous is collective."""
 
 
 class _Keeper:
@@ -208,6 +216,39 @@ def _safe(ready: Callable[[], bool]) -> bool:
 _KEEPER = _Keeper()
 
 
+def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
+    """Why ranks cannot resume together, from each rank's note (:meth:`growcache.resume.Resume.note`;
+    ``""``: a rank that starts its epoch afresh); ``""`` when they agree. ``collective``: ``notes`` holds every world
+    rank's, in rank order (epoch, seed, progress and layout must match world-wide, the snapshot
+    within each group); else the group's first rank's, then this rank's."""
+    parsed = [json.loads(note) if note else None for note in notes]
+    if not any(parsed):
+        return ""
+
+    def key(note: dict | None) -> Any:
+        if note is None:
+            return None
+        shared = (note["epoch"], note["seed"], note["progress"], json.dumps(note["layout"], sort_keys=True))
+        return shared if collective else (*shared, note["cache"], note["snapshot"])
+
+    by_group: dict[Any, set] = {}
+    for note in parsed:
+        if note is not None:
+            by_group.setdefault(note["group"], set()).add((note["cache"], note["snapshot"]))
+    if len({key(note) for note in parsed}) == 1 and all(len(seen) == 1 for seen in by_group.values()):
+        return ""
+    ranks = (list(range(len(parsed))) if collective else ["the group's first", "this"])
+    seen: dict[str, list] = {}
+    for rank, note in zip(ranks, parsed):
+        what = ("starts its epoch afresh (no state loaded)" if note is None else
+                f"resumes epoch {note['epoch']} at batch {note['progress']} of snapshot {note['snapshot']} (seed "
+                f"{note['seed']}, layout {note['layout']})")
+        seen.setdefault(what, []).append(rank)
+    told = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} {what}" for what, r in seen.items())
+    return (f"the ranks cannot resume together ({told}): every rank must load the state it saved at the same step "
+            f"of the same run (rank {group.world_rank} is this one), or none may")
+
+
 # -- ranks with a process group ------------------------------------------------------------------
 class CollectiveRendezvous:
     """Every rank of the world takes part in two gathers per epoch: one carries each group's
@@ -223,13 +264,13 @@ class CollectiveRendezvous:
         self.group = group
         self.all_gather = all_gather
 
-    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
-        gathered = self.all_gather(take() if self.group.rank == 0 else None)
-        shards: EpochShards = gathered[self.group.first_world_rank]
-        failed = next((s for s in gathered if s is not None and s.error), None)
+    def share(self, epoch: int, take: Callable[[], EpochShards], note: str = "") -> Agreement:
+        gathered = self.all_gather((take() if self.group.rank == 0 else None, note))
+        shards: EpochShards = gathered[self.group.first_world_rank][0]
+        failed = next((s for s, _ in gathered if s is not None and s.error), None)
         if failed is not None and not shards.error:  # another group's: every rank stops together
             shards = replace(shards, error=f"another group: {failed.error}", error_type=failed.error_type)
-        return _CollectiveAgreement(shards, self.group.rank == 0, self.all_gather)
+        return _CollectiveAgreement(shards, self.group.rank == 0, self.all_gather, [n for _, n in gathered])
 
 
 @dataclass
@@ -237,6 +278,7 @@ class _CollectiveAgreement:
     shards: EpochShards
     took: bool
     all_gather: Callable[[Any], list[Any]]
+    notes: list[str] | None = None
 
     def confirm(self, leased: bool, batches: int) -> list[tuple[bool, int]]:
         return self.all_gather((leased, batches))
@@ -277,7 +319,7 @@ class LocalRendezvous:
         self.size = int(size)
         self.timeout = AGREE_TIMEOUT_S if timeout is None else float(timeout)
 
-    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+    def share(self, epoch: int, take: Callable[[], EpochShards], note: str = "") -> Agreement:
         group = self._group
         with group.cond:
             entry = group.epochs.get(epoch)
@@ -319,6 +361,8 @@ class _LocalGroup:
 
 
 class _LocalAgreement:
+    notes = None
+
     def __init__(self, rendezvous: LocalRendezvous, epoch: int, entry: _LocalEpoch, shards: EpochShards,
                  took: bool) -> None:
         self._rendezvous = rendezvous
@@ -381,7 +425,7 @@ class FileRendezvous:
     def ack_path(self, epoch: int, rank: int) -> str:
         return os.path.join(self.dir, f"{self.digest}-{epoch:010d}.ack-{rank}")
 
-    def share(self, epoch: int, take: Callable[[], EpochShards]) -> Agreement:
+    def share(self, epoch: int, take: Callable[[], EpochShards], note: str = "") -> Agreement:
         path = self.path(epoch)
         if self.rank == 0:
             remove_stale_epoch_files(os.path.dirname(self.dir))
@@ -419,6 +463,8 @@ class FileRendezvous:
 
 
 class _FileAgreement:
+    notes = None
+
     def __init__(self, rendezvous: FileRendezvous, epoch: int, shards: EpochShards, took: bool) -> None:
         self._rendezvous = rendezvous
         self._epoch = epoch
@@ -528,6 +574,8 @@ def _epoch_file_problem(body: dict[str, Any]) -> str:
         return "its seqs are not a list of sequence numbers"
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         return "its names are not a list of strings"
+    if not isinstance(body.get("note") or "", str):
+        return "its note is not a string"
     return ""
 
 

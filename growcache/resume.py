@@ -32,23 +32,25 @@ still loads (it resumes at the start of epoch ``N``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from .batching import ReaderShare, window_batches
 from .cache import Cache
-from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, run_id
+from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, _error_class, run_id
 from .errors import EpochSyncError, MissingShardsError
 from .manifest import CACHE_ID, PIN_NAME
 from .planning import EpochPlan, plan_epoch, read_points, round_robin_progress
-from .rendezvous import EpochShards
+from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, disagreement
 from .shard import ShardInfo
 
 __all__ = [
@@ -382,16 +384,67 @@ class Resume:
         self._pin = pin
         self._gone = gone
 
-    def abandon(self) -> None:
-        """Another epoch starts instead (``set_epoch`` to another number): release the adopted pin."""
-        if self._pin is not None:
+    def abandon(self, *, quiet: bool = False) -> None:
+        """Another epoch starts instead (``set_epoch`` to another number): release the adopted pin.
+        ``quiet``: the resume failed, and its pin stays (until its expiry) for a retry."""
+        if self._pin is not None and not quiet:
             logger.warning("the resume of epoch %d is abandoned (another epoch starts): its pin is released",
                            self.epoch)
             self._pin.release()
-            self._pin = None
+        self._pin = None
+
+
+    def note(self, epochs: Epochs) -> str:
+        """What this rank resumes, for the other ranks to check (:attr:`EpochShards.note`): the
+        epoch, seed, progress and layout every rank shares, and its group's cache and snapshot."""
+        state = self.state
+        layout = {key: value for key, value in state["plan"].items() if key not in ("rank", "group_rank", "workers")}
+        names = json.dumps([name for name, _, _ in state["snapshot"]["shards"]]).encode()
+        return json.dumps({"epoch": self.epoch, "seed": state["seed"], "progress": state["progress"],
+                           "layout": layout, "group": epochs.group.name, "cache": state["cache_id"],
+                           "snapshot": hashlib.sha1(names).hexdigest()[:16]}, sort_keys=True)
 
     def start(self, epochs: Epochs) -> Epoch:
-        """Start the saved epoch again: lease its shards, plan it with the saved parameters."""
+        """Start the saved epoch again: lease its shards, plan it with the saved parameters.
+
+        Ranks in several processes agree on it first, through their rendezvous: every rank
+        must resume the same epoch, snapshot, progress and layout (each its own state, saved
+        at the same step), or every rank raises :class:`~growcache.EpochSyncError` naming what
+        each one resumes, rather than read on and hang in an all-reduce. Ranks in one process
+        (TensorFlow's input pipelines) share one state.
+        """
+        rendezvous = epochs._rendezvous
+        if not isinstance(rendezvous, (CollectiveRendezvous, FileRendezvous)):
+            return self._start(epochs, None)
+        note = self.note(epochs)
+        saved = self._saved_shards(epochs)
+        agreement = rendezvous.share(self.epoch, lambda: replace(saved, note=note), note)
+        shards = agreement.shards
+        if shards.error:  # a first rank that started afresh and found no snapshot
+            raise _error_class(shards.error_type)(f"{shards.error} (reported by the first rank of a group)")
+        notes = agreement.notes if agreement.notes is not None else [shards.note, note]
+        problem = disagreement(notes, epochs.group, collective=agreement.notes is not None)
+        if problem:
+            self.abandon(quiet=True)
+            raise EpochSyncError(problem)
+        self._confirmed = False
+        try:
+            epoch = self._start(epochs, agreement)
+        except BaseException:
+            if not self._confirmed:
+                agreement.confirm(False, 0)  # a collective rendezvous must hear from every rank
+            raise
+        if agreement.took:  # each rank's own lease and pin hold its shards: only the epoch file goes
+            agreement.release(lambda: None)
+        return epoch
+
+    def _saved_shards(self, epochs: Epochs) -> EpochShards:
+        infos = [ShardInfo.from_path(os.path.join(epochs.cache.shards_dir, name))
+                 for name, _, _ in self.state["snapshot"]["shards"]]
+        return EpochShards(self.epoch, self.state["seed"], tuple(i.seq for i in infos),
+                           tuple(os.path.basename(i.path) for i in infos))
+
+    def _start(self, epochs: Epochs, agreement: Any) -> Epoch:
         state, group = self.state, epochs.group
         replanned = _check_layout(epochs, state["plan"])
         shards = state["snapshot"]["shards"]
@@ -405,10 +458,28 @@ class Resume:
             raise MissingShardsError(f"shards of the saved epoch {self.epoch} went between load_state_dict and the "
                                      f"resumed epoch's start: {exc}") from None
         plan_args = state["plan"]
-        plan = plan_epoch([info.records for info in infos], epoch=self.epoch, seed=state["seed"],
-                          world_size=plan_args["group_size"], num_workers=plan_args["workers"],
-                          batch_size=plan_args["batch_size"], drop_last=plan_args["drop_last"],
-                          even_batches=plan_args["even_batches"])
+
+        def plan_for(target: int | None) -> EpochPlan:
+            return plan_epoch([info.records for info in infos], epoch=self.epoch, seed=state["seed"],
+                              world_size=plan_args["group_size"], num_workers=plan_args["workers"],
+                              batch_size=plan_args["batch_size"], drop_last=plan_args["drop_last"],
+                              even_batches=plan_args["even_batches"], target_batches=target)
+
+        try:
+            plan = plan_for(None)
+            if agreement is not None:  # as at the epoch's start: groups of ranks agree on one batch count
+                reports = agreement.confirm(True, plan.rank_batches(group.rank))
+                self._confirmed = True
+                failed = [rank for rank, (leased, _) in enumerate(reports or ()) if not leased]
+                if failed:
+                    raise EpochSyncError(f"ranks {failed} could not resume epoch {self.epoch} (see their errors); "
+                                         "every rank stops rather than read different data")
+                if reports is not None and group.groups > 1 and plan_args["even_batches"]:
+                    counts = [batches for _, batches in reports]
+                    plan = plan_for(min(counts) if plan_args["drop_last"] else max(counts))
+        except BaseException:
+            snapshot.close()
+            raise
         workers = plan.workers
         counts = [plan.batches(plan.reader(group.rank, w)) for w in range(workers)]
         skips, following = split_progress(counts, state["progress"])

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ._vectored_io import pread_into
-from .batching import Allocate, BatchReader, ReaderShare, Skipped, other_schema
+from .batching import Allocate, BatchReader, ReaderShare, Skipped, other_schema, past_gone
 from .errors import CorruptShardError, SchemaError
 from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
@@ -587,7 +587,8 @@ class VectorReader(BatchReader):
                 remaining -= records
                 continue
             if index in gone:
-                window.drop, remaining, to_skip = 0, remaining - to_skip, 0  # see BatchReader._gone
+                remaining = past_gone(share, remaining, to_skip, window.drop, self.batch_size)
+                window.drop, to_skip = 0, 0
                 yield self._gone(share, index, corrupt)
                 continue
             path = os.fsdecode(share.paths[index])

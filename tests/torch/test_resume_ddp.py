@@ -25,39 +25,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, stop: int) -> None:
+def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, stop: int, load: list | None = None,
+          on_missing: str = "raise") -> None:
+    import datetime
+
     import torch.distributed as dist
 
     import growcache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A rank left waiting in an all-reduce fails after this, rather than hang the test.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4 * 8, 1))
     loader = growcache.make_torch_loader(cache, 8, num_workers=0, shuffle_buffer=20, seed=3)
     state_path = os.path.join(out, f"state{rank}.json")
-    if mode == "resume":
-        with open(state_path) as f:
-            loader.load_state_dict(json.load(f))
-    else:
-        loader.set_epoch(1)
-    seen = []
-    for step, batch in enumerate(loader, 1):
-        model(batch["x"].reshape(len(batch["x"]), -1)).sum().backward()  # an all-reduce per step
-        seen.append(batch["id"].tolist())
-        if step == stop:
-            with open(state_path, "w") as f:
-                json.dump(loader.state_dict(), f)
-            break
+    seen, error = [], None
+    try:
+        if mode == "resume":
+            name = f"state{rank}.json" if load is None else load[rank]
+            if name is not None:
+                with open(os.path.join(out, name)) as f:
+                    loader.load_state_dict(json.load(f), on_missing=on_missing)
+        else:
+            loader.set_epoch(1)
+        for step, batch in enumerate(loader, 1):
+            model(batch["x"].reshape(len(batch["x"]), -1)).sum().backward()  # an all-reduce per step
+            seen.append(batch["id"].tolist())
+            if mode == "cut" and step <= stop:  # a checkpoint every step, the last one at `stop`
+                with open(os.path.join(out, f"state{rank}-{step}.json"), "w") as f:
+                    json.dump(loader.state_dict(), f)
+            if step == stop:
+                with open(state_path, "w") as f:
+                    json.dump(loader.state_dict(), f)
+                break
+    except growcache.EpochSyncError as exc:
+        error = str(exc)
     with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
-        json.dump({"batches": seen, "tops_up": loader.epochs.tops_up}, f)
+        json.dump({"batches": seen, "tops_up": loader.epochs.tops_up, "error": error}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(tmp_path, mode: str, stop: int = -1) -> list[dict]:
+def _run(tmp_path, mode: str, stop: int = -1, **kwargs) -> list[dict]:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop,
+                          kwargs.get("load"), kwargs.get("on_missing", "raise")), nprocs=2, join=True)
     return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in range(2)]
 
 
@@ -75,3 +88,40 @@ def test_two_ranks_resume_mid_epoch_batch_by_batch_with_the_top_up(tmp_path):
     for rank in range(2):
         assert before[rank]["batches"] + after[rank]["batches"] == whole[rank]["batches"], rank
     assert Cache(tmp_path / "cache").stats().pins == 0
+
+
+@pytest.mark.timeout(300)
+def test_ranks_agree_on_the_resume_or_all_raise_and_a_gone_shard_keeps_batch_counts_equal(tmp_path):
+    from growcache.batching import window_batches
+    from growcache.planning import plan_epoch
+
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, SHARDS)
+    whole, before = _run(tmp_path, "ref"), _run(tmp_path, "cut", stop=7)
+    # States of other steps, or a rank that loads none: every rank raises, naming what each resumes.
+    for load in (["state0-7.json", "state1-5.json"], ["state0-7.json", None]):
+        after = _run(tmp_path, "resume", load=load)
+        for rank in range(2):
+            assert after[rank]["batches"] == [], (load, rank)
+            error = after[rank]["error"] or ""
+            assert "cannot resume together" in error and "at batch 7" in error, (load, rank, error)
+            assert ("at batch 5" if load[1] else "afresh") in error, (load, rank, error)
+    assert Cache(tmp_path / "cache").stats().pins == 2  # kept for a retry with the right states
+    # The shard rank 1 was reading at its save goes: the window its resume re-reads is cut short.
+    state = json.loads((tmp_path / "state1.json").read_text())
+    names = [name for name, _, _ in state["snapshot"]["shards"]]
+    records = [r for _, _, r in state["snapshot"]["shards"]]
+    plan = plan_epoch(records, epoch=1, seed=3, world_size=2, num_workers=0, batch_size=8)
+    start = state["progress"] // window_batches(20, 8) * window_batches(20, 8) * 8
+    for shard in plan.shards[1]:
+        start -= records[shard]
+        if start < 0:
+            break
+    gone = names[int(shard)]
+    os.unlink(tmp_path / "cache" / "shards" / gone)
+    after = _run(tmp_path, "resume", on_missing="skip")
+    counts = [len(before[r]["batches"]) + len(after[r]["batches"]) for r in range(2)]
+    assert counts == [len(whole[0]["batches"])] * 2, "every rank yields the planned batch count"
+    seq = int(gone.split("-")[0])
+    assert not {i for b in after[1]["batches"] for i in b} & set(range(sum(SHARDS[:seq - 1]), sum(SHARDS[:seq])))
+    assert before[0]["batches"] + after[0]["batches"] == whole[0]["batches"]  # the other rank, as before
