@@ -1,4 +1,4 @@
-"""benchmarks/fill.py runs end to end on tiny data (no speed asserted) and reports every figure."""
+"""benchmarks/fill.py and benchmarks/serial_rate.py run end to end on tiny data (no speed asserted) and report every figure."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def test_fill_benchmark_quick(tmp_path):
     fill.update_docs(results, str(docs))
     fill.update_docs(results, str(docs))  # replaces its block, never adds a second
     assert docs.read_text().count(fill.BEGIN) == 1
+
+
+def test_serial_rate_benchmark_quick():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serial_rate
+    finally:
+        sys.path.pop(0)
+    result = serial_rate.main(serial_rate.parse_args(["--quick"]))
+    assert result["best_window_samples_per_s"] >= result["samples_per_s"] > 0
