@@ -46,6 +46,14 @@ The bucket is live, and the state file is untrusted:
   whose claim was taken over (a process frozen past the expiry) publishes nothing.
 * Every field of the state is checked before use; a damaged claim counts as expired, any
   other damage starts the state afresh, with a warning.
+
+One large remote shard fills at line rate: a worker reads it as ranged parts of
+``chunk_bytes``, up to the pool's ``concurrency`` in flight (fewer while the store throttles)
+and at most its ``max_bytes_in_flight`` held, whatever the shard's size. The parts are handed
+on in order to the same checks and cuts as a serial read; a part that fails transiently is
+retried alone under the source's :class:`~growcache.RetryPolicy`. A shard rewritten while
+its parts were read is caught by the version check above; one that shrank gives a short
+part, which fails the read. ``concurrency=1`` reads one request at a time, as before.
 """
 
 from __future__ import annotations
@@ -218,7 +226,10 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             records. Default: ``None`` (no limit).
         max_shard_bytes: cut remote shards into cache shards of at most this many bytes
             (an int or ``"64MB"``); the pool's ``shard_size`` applies too. Default: ``None``.
-        chunk_bytes: bytes per read request. Default: 4 MiB.
+        chunk_bytes: bytes per read request: a remote shard is read as ranged parts of this
+            size, up to the pool's ``concurrency`` of them in flight and at most its
+            ``max_bytes_in_flight`` held (one request at a time with ``concurrency=1``).
+            Default: 4 MiB.
     """
 
     def __init__(
@@ -388,9 +399,11 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 self._release(cache, claim)
 
     def chunks(self, path: str, start: int = 0, size: int | None = None) -> Iterator[bytes]:
-        """The raw bytes of ``path`` from ``start`` to ``size``: inside a fetch of a pool with
-        ``concurrency`` above 1, as ranged parts with many in flight (:class:`_Parts`); else one
-        request at a time."""
+        """The raw bytes of ``path`` from ``start`` to ``size``.
+
+        Inside a fetch of a pool with ``concurrency`` above 1 they come as ranged parts of
+        ``chunk_bytes``, many in flight, in order; otherwise one request at a time.
+        """
         window = self._window
         if window is None:
             yield from super().chunks(path, start, size)
