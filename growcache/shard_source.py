@@ -346,13 +346,15 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         done = False
         keeper = _ClaimKeeper(self, cache, claim)
         try:
-            now = self._version_now(claim.path)
+            info = self._info_now(claim.path)
+            now = None if info is None else _version(info)
             if now != claim.version:
                 done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
                 return
+            size = info.get("size") if info is not None else None  # of the version claimed: no second request
             end = None
             for start, stop in claim.segments:
-                with self._reading(claim.path, start, stop, job) as chunks:
+                with self._reading(claim.path, start, stop, job, size if _is_int(size) else None) as chunks:
                     frames = _Until(iter_frames(chunks, url, start, max_record_bytes=codec.max_record_bytes), start,
                                     stop, job.should_stop)
                     pieces = copy_records(frames, cache, RecordChecker(codec, url),
@@ -414,19 +416,20 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                           max_bytes=max_bytes, should_stop=should_stop)
 
     @contextlib.contextmanager
-    def _reading(self, path: str, start: int, stop: int | None, job: FetchJob) -> Iterator[Iterator[bytes]]:
+    def _reading(self, path: str, start: int, stop: int | None, job: FetchJob,
+                 size: int | None = None) -> Iterator[Iterator[bytes]]:
         """The uncompressed stream of ``path`` from offset ``start``, read for the records up to ``stop``.
 
         With ``job.concurrency`` 1, one request at a time (:meth:`stream`). Otherwise the raw
         bytes come in ranged parts, many in flight (:meth:`chunks`): a plain file's from
         ``start`` to ``stop``, a compressed one's whole (it inflates from its beginning). The
-        parts in flight are cancelled when the block ends.
+        parts in flight are cancelled when the block ends. ``size``: the object's size, if known.
         """
         concurrency, max_bytes = _in_flight(job)
         if concurrency <= 1:
             yield self.stream(path, start)[0]
             return
-        size = self.size(path)
+        size = self.size(path) if size is None else size
         known = not (start == 0 and stop is None)  # else the first part tells the compression
         compression = detect_compression(self._fetch(path, 0, min(size, 64))) if known and size else None
         plain = known and compression is None
@@ -487,6 +490,11 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
 
     def _version_now(self, path: str) -> str | None:
         """The version of ``path`` in the store now; ``None`` if it is gone."""
+        info = self._info_now(path)
+        return None if info is None else _version(info)
+
+    def _info_now(self, path: str) -> dict[str, Any] | None:
+        """The store's details of ``path`` now (never fsspec's cached ones); ``None`` if it is gone."""
         fs = self.fs
         with contextlib.suppress(Exception):
             fs.invalidate_cache(path)
@@ -496,7 +504,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
             raise
-        return _version(info)
+        return info if isinstance(info, dict) else {}
 
     def _current_listing(self, cache: Cache) -> tuple[dict[str, str], bool]:
         """This process's listing, and whether it was just made: listed again when a pass began
@@ -866,9 +874,10 @@ class _Parts:
     * requests in flight: ``concurrency``, less while the store throttles (a
       :class:`~growcache._concurrent.Flow`: halved on 429/503, grown back as answers come);
     * bytes of parts in flight or fetched and not yet handed on: ``max_bytes`` (one part
-      larger than that still goes, alone), whatever the shard's size;
-    * the window opens 1, 2, 4... parts, so a reader that stops after its first records
-      does not pay for the rest.
+      larger than that still goes, alone), whatever the shard's size.
+
+    The whole window is asked for at once (no slow start): a fetch reads the shard to its end,
+    and each round trip of a slow start would cost a 100 MB shard a tenth of its time at 50 ms.
 
     A part shorter than asked means the object shrank under the reader: a :class:`SourceError`
     naming the URL and offset (the fetch then finds the new version and passes the shard
@@ -880,7 +889,6 @@ class _Parts:
                  max_bytes: int, should_stop: Callable[[], bool]) -> None:
         self.source, self.path, self.start, self.end = source, path, start, end
         self.part = max(1, part)
-        self.concurrency = concurrency
         self.should_stop = should_stop
         self.flow = Flow(concurrency, max_bytes)
         self._ticket = Ticket(self.flow)  # routes each request's timing and throttling to this flow
@@ -891,10 +899,10 @@ class _Parts:
         self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = collections.deque()
 
     def __iter__(self) -> Iterator[bytes]:
-        flow, position, window = self.flow, self.start, 1
+        flow, position = self.flow, self.start
         try:
             while self._pending or position < self.end:
-                while position < self.end and len(self._pending) < min(window, flow.allowed()):
+                while position < self.end and len(self._pending) < flow.allowed():
                     stop = min(position + self.part, self.end)
                     if not flow._fits(stop - position):
                         break
@@ -910,7 +918,6 @@ class _Parts:
                         "replaced or truncated while it was read")
                 yield data
                 flow.release(stop - begin)  # the reader has taken the part on
-                window = min(2 * window, self.concurrency)
         finally:
             self.close()
 

@@ -210,3 +210,23 @@ def test_stopping_cancels_the_parts_in_flight(tmp_path, http_store):
     assert _fetch(source, cache, concurrency=8, should_stop=stop.is_set) == []
     assert time.monotonic() - began < 3.0  # it did not wait for the parts
     assert state_of(cache, source)["claims"] == {}  # released: the next fetch takes it again
+
+
+def test_the_shard_fetch_benchmark_runs(tmp_path):
+    """benchmarks/shard_fetch.py end to end on a 4 MiB shard (no speed asserted)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import shard_fetch
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "shard_fetch.json"
+    results = shard_fetch.main(shard_fetch.parse_args(["--quick", "--latency-ms", "5", "--json", str(out)]))
+    assert json.loads(out.read_text()) == results
+    contenders = results["contenders"]
+    assert set(contenders) == {"serial", "parts_8x1MiB", "plain_8x1MiB"}
+    assert all(c["MBps"] > 0 and c["bytes"] >= 4 << 20 for c in contenders.values())
+    assert contenders["serial"]["peak_bytes_in_flight"] == 0 < contenders["parts_8x1MiB"]["peak_bytes_in_flight"]
+    assert "`parts_8x1MiB`" in shard_fetch.markdown(results)
