@@ -30,6 +30,7 @@ __all__ = [
     "ReaderShare",
     "Skipped",
     "default_shuffle_buffer",
+    "delivered_records",
     "growcache_frames",
     "past_gone",
     "window_batches",
@@ -95,6 +96,11 @@ class ReaderShare:
         then: shares read after this one, each as its own stream (a resume over another
             number of readers: each reader finishes the streams of one or more saved readers).
             Default: none.
+        skip_records: records of the share's stream delivered before a resume re-planned over
+            another batch size or shuffle buffer (:func:`delivered_records`): passed over like
+            ``skip_batches``' whole windows, with no shuffle draws. Default: ``0``.
+        exclude: stream positions past ``skip_records`` delivered before that resume (the
+            window the save fell in): framed, never delivered again. Default: none.
     """
 
     paths: np.ndarray
@@ -106,6 +112,8 @@ class ReaderShare:
     skip_batches: int = 0
     gone: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     then: tuple[ReaderShare, ...] = ()
+    skip_records: int = 0
+    exclude: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     def shard_paths(self) -> np.ndarray:
         """Paths of the shards this reader reads, in order (``np.bytes_``)."""
@@ -127,6 +135,37 @@ def past_gone(share: ReaderShare, remaining: int, to_skip: int, drop: int, batch
     batches to DDP: those delivered batches still count against it, so the rank yields its
     planned batch count (and as many of its last records are not read this epoch)."""
     return remaining - to_skip - (drop * batch_size if share.quota >= 0 else 0)
+
+
+def delivered_records(shuffle_seed: int, quota: int, delivered: int, batch_size: int, shuffle_buffer: int,
+                      drop_last: bool) -> tuple[int, np.ndarray]:
+    """Which records of a reader's stream its first ``delivered`` batches held, for a resume
+    re-planned over another batch size or shuffle buffer: ``(whole records, positions)``, the
+    stream's first records (whole windows) and the positions past them that the window the
+    save fell in had delivered. It replays :meth:`BatchReader.batches`' shuffle draws and its
+    last window's compaction, reading nothing; a reader without skipped shards only."""
+    windows = window_batches(shuffle_buffer, batch_size)
+    rows = windows * batch_size
+    skip_windows, drop = divmod(max(int(delivered), 0), windows)
+    skip = min(skip_windows * rows, max(int(quota), 0))
+    if not drop:
+        return skip, np.empty(0, np.int64)
+    filled = min(rows, int(quota) - skip)
+    targets = np.arange(rows)
+    if windows > 1:
+        rng = np.random.default_rng([shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
+        for _ in range(skip_windows):
+            rng.permutation(rows)
+        targets = rng.permutation(rows)
+    final = targets[:filled].copy()
+    if filled < rows and windows > 1:  # the last, partial window: compacted into the holes below `filled`
+        used = np.zeros(rows, bool)
+        used[final] = True
+        holes = np.flatnonzero(~used[:filled])
+        movers = np.flatnonzero(used[filled:]) + filled
+        moved = dict(zip(movers.tolist(), holes.tolist()))
+        final = np.array([moved.get(int(t), int(t)) for t in final], np.int64)
+    return skip, skip + np.flatnonzero(final // batch_size < drop).astype(np.int64)
 
 
 def window_batches(shuffle_buffer: int, batch_size: int) -> int:
@@ -222,6 +261,8 @@ class BatchReader:
         Whole windows already delivered are passed over by their record counts, with the
         shuffle's draws for them, so the windows after come out as in the uninterrupted run.
         """
+        if share.skip_records:  # re-planned: the saved reader's windows are not this reader's
+            return int(share.skip_records), 0
         skip_windows, drop = divmod(max(int(share.skip_batches), 0), self.window_batches)
         rows = self.window_batches * self.batch_size
         if self.window_batches > 1:
@@ -281,6 +322,8 @@ class BatchReader:
         placed = 0
         to_skip, drop = self._resume_point(share, quota, rng)
         gone = {int(i) for i in share.gone}
+        excluded = {int(i) for i in share.exclude}
+        position = 0  # in the share's stream, for `excluded`
 
         def rows_of(number: int) -> list[np.ndarray]:
             entry = window[number]
@@ -325,6 +368,7 @@ class BatchReader:
             if to_skip and int(share.records[index]) <= to_skip:  # delivered whole before a resume
                 to_skip -= int(share.records[index])
                 remaining -= int(share.records[index])
+                position += int(share.records[index])
                 continue
             if index in gone:
                 drop, remaining, to_skip = 0, past_gone(share, remaining, to_skip, drop, batch_size), 0
@@ -334,8 +378,9 @@ class BatchReader:
             got = 0
             try:
                 for _, record in count_checked(path, self.frames(path, self.verify)):
-                    if to_skip:  # the start of a shard delivered before a resume: framed, not decoded
-                        to_skip -= 1
+                    position += 1
+                    if to_skip or (excluded and position - 1 in excluded):  # delivered before a resume
+                        to_skip = max(to_skip - 1, 0)
                         remaining -= 1
                         continue
                     got += 1

@@ -44,12 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from .batching import ReaderShare, window_batches
+from .batching import ReaderShare, delivered_records, window_batches
 from .cache import Cache
 from .epoch import SPLITS, Epoch, EpochBookkeeping, Epochs, _error_class, run_id
 from .errors import EpochSyncError, MissingShardsError
 from .manifest import CACHE_ID, PIN_NAME
-from .planning import EpochPlan, plan_epoch, read_points, round_robin_progress
+from .planning import EpochPlan, ReadPoints, _batches, plan_epoch, read_points, reader_seed, round_robin_progress
 from .rendezvous import CollectiveRendezvous, EpochShards, FileRendezvous, disagreement
 from .shard import ShardInfo
 
@@ -84,6 +84,7 @@ _KEYS = {"format", "version", "epoch", "seed", "cache_id", "plan", "snapshot", "
 _PLAN_KEYS = {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "workers": 1, "batch_size": 1,
               "shuffle_buffer": 0}
 _PLAN_FLAGS = ("even_batches", "drop_last")
+_REPLANNABLE = ("batch_size", "shuffle_buffer", "drop_last")
 _MAX_INT = 2**62
 _MAX_SHARDS = 10**7
 
@@ -336,6 +337,8 @@ class _ResumedEpoch(Epoch):
     rotation: int = 0
     gone: np.ndarray | None = None
     assignment: tuple[tuple[int, ...], ...] | None = None  # re-planned: saved readers each reader finishes
+    parts: dict | None = None  # re-planned record by record: Resume._record_parts
+    saved_windows: int = 1  # batches of a shuffle window in the saved layout
 
     def share(self, reader: int = 0) -> ReaderShare:
         if self.assignment is not None:
@@ -347,7 +350,19 @@ class _ResumedEpoch(Epoch):
         return self._saved_share((reader + self.rotation) % self.plan.workers)
 
     def _exact(self) -> bool:
-        return super()._exact() and not (self.gone is not None and self.gone.size)
+        return super()._exact() and not (self.gone is not None and self.gone.size) and self.parts is None
+
+    def read_points(self) -> ReadPoints:
+        if self._points is None:  # in the saved layout's batches and windows
+            epochs = self.epochs
+            self._points = read_points(self.plan, epochs.group.rank, self._records, self.saved_windows,
+                                       tops_up=epochs.tops_up, exact=self._exact())
+        return self._points
+
+    def batches(self) -> int:
+        if self.parts is None:
+            return super().batches()
+        return int(self.loaded_state["progress"]) + _part_batches(self.epochs, self.parts)
 
     def _left_indices(self) -> set[int]:
         if self.assignment is None:
@@ -364,7 +379,10 @@ class _ResumedEpoch(Epoch):
     def _saved_share(self, original: int) -> ReaderShare:
         """The rest of saved reader ``original``'s share."""
         share = super().share(original)
-        share.skip_batches = self.skips[original]
+        if self.parts is not None:
+            share.skip_records, share.exclude, share.quota = self.parts[original]
+        else:
+            share.skip_batches = self.skips[original]
         if self.gone is not None:
             share.gone = self.gone
         return share
@@ -378,8 +396,9 @@ class Resume:
         epoch: the epoch it finishes.
     """
 
-    def __init__(self, state: dict[str, Any], pin: Pin | None, gone: set[str]) -> None:
+    def __init__(self, state: dict[str, Any], pin: Pin | None, gone: set[str], *, replan: bool = False) -> None:
         self.state = state
+        self.replan = replan
         self.epoch = int(state["epoch"])
         self._pin = pin
         self._gone = gone
@@ -446,7 +465,8 @@ class Resume:
 
     def _start(self, epochs: Epochs, agreement: Any) -> Epoch:
         state, group = self.state, epochs.group
-        replanned = _check_layout(epochs, state["plan"])
+        kind = _check_layout(epochs, state["plan"], replan=self.replan)
+        replanned = kind != "same"
         shards = state["snapshot"]["shards"]
         present_names = {os.path.basename(s.path) for s in epochs.cache.list_shards()}
         gone = self._gone | {name for name, _, _ in shards if name not in present_names}
@@ -467,14 +487,18 @@ class Resume:
 
         try:
             plan = plan_for(None)
+            parts = self._record_parts(epochs, plan, infos) if kind == "records" else None
             if agreement is not None:  # as at the epoch's start: groups of ranks agree on one batch count
-                reports = agreement.confirm(True, plan.rank_batches(group.rank))
+                reports = agreement.confirm(True, plan.rank_batches(group.rank) if parts is None else
+                                            _part_batches(epochs, parts))
                 self._confirmed = True
                 failed = [rank for rank, (leased, _) in enumerate(reports or ()) if not leased]
                 if failed:
                     raise EpochSyncError(f"ranks {failed} could not resume epoch {self.epoch} (see their errors); "
                                          "every rank stops rather than read different data")
-                if reports is not None and group.groups > 1 and plan_args["even_batches"]:
+                if reports is not None and parts is not None and epochs.tops_up:
+                    _even_parts(epochs, parts, [batches for _, batches in reports])
+                elif reports is not None and group.groups > 1 and plan_args["even_batches"]:
                     counts = [batches for _, batches in reports]
                     plan = plan_for(min(counts) if plan_args["drop_last"] else max(counts))
         except BaseException:
@@ -485,7 +509,8 @@ class Resume:
         skips, following = split_progress(counts, state["progress"])
         assignment = None
         if replanned:  # each saved reader's rest goes whole to one reader, the largest rests first
-            rests = [int(plan.quotas[plan.reader(group.rank, w)]) - skips[w] * plan.batch_size for w in range(workers)]
+            rests = [int(plan.quotas[plan.reader(group.rank, w)]) - skips[w] * plan.batch_size if parts is None
+                     else parts[w][2] - parts[w][0] - len(parts[w][1]) for w in range(workers)]
             loads, assignment = [0] * epochs.readers, [[] for _ in range(epochs.readers)]
             for w in sorted(range(workers), key=lambda w: -rests[w]):
                 target = loads.index(min(loads))
@@ -498,6 +523,8 @@ class Resume:
                               saved_shards=[list(s) for s in shards], skips=tuple(skips),
                               rotation=0 if replanned else following,
                               assignment=None if assignment is None else tuple(map(tuple, assignment)),
+                              parts=parts, saved_windows=window_batches(plan_args["shuffle_buffer"],
+                                                                        plan_args["batch_size"]),
                               gone=np.array(sorted(i for i, info in enumerate(infos)
                                                    if os.path.basename(info.path) in gone), np.int64))
         epoch._paths = np.array([os.fsencode(info.path) for info in infos], dtype=np.bytes_)
@@ -511,32 +538,92 @@ class Resume:
                     epoch.consumed, sum(counts), len(infos))
         return epoch
 
+    def _record_parts(self, epochs: Epochs, plan: EpochPlan, infos: list[ShardInfo]) -> dict[int, list]:
+        """Per saved reader of this rank, re-planned over another batch size or shuffle buffer:
+        ``[records passed over, positions delivered past them, quota]`` of its stream."""
+        state, rank = self.state, epochs.group.rank
+        saved = state["plan"]
+        counts = [plan.batches(plan.reader(rank, w)) for w in range(plan.workers)]
+        skips, _ = split_progress(counts, state["progress"])
+        parts = {}
+        for worker in range(plan.workers):
+            index = plan.reader(rank, worker)
+            quota = int(plan.quotas[index]) if epochs.tops_up else sum(infos[int(i)].records for i in plan.shards[index])
+            skip, exclude = delivered_records(reader_seed(state["seed"], self.epoch, index), quota, skips[worker],
+                                              saved["batch_size"], saved["shuffle_buffer"], saved["drop_last"])
+            parts[worker] = [skip, exclude, quota]
+        return parts
 
-def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False) -> bool:
-    """Whether the saved epoch must be re-planned over another number of readers (workers).
+
+def _part_batches(epochs: Epochs, parts: dict[int, list]) -> int:
+    """Batches this rank yields from re-planned ``parts`` in its own batch size."""
+    options = epochs.options
+    return sum(_batches(max(quota - skip - len(exclude), 0), int(options.batch_size), options.drop_last)
+               for skip, exclude, quota in parts.values())
+
+
+def _even_parts(epochs: Epochs, parts: dict[int, list], counts: list[int]) -> None:
+    """Even out re-planned ``parts`` to one batch count over the ranks (``counts``, each rank's):
+    the most (a top up from each reader's cycle, as planned epochs do), or with ``drop_last`` the
+    fewest, one batch per saved reader in turn."""
+    options = epochs.options
+    target = min(counts) if options.drop_last else max(counts)
+    step = int(options.batch_size) * (1 if target > _part_batches(epochs, parts) else -1)
+    turn = 0
+    while _part_batches(epochs, parts) != target and turn < 4 * (abs(target) + len(parts) + 1):
+        part = parts[turn % len(parts)]
+        if part[2] + step - part[0] - len(part[1]) >= 0:
+            part[2] += step
+        turn += 1
+
+
+def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, replan: bool = False) -> str:
+    """How the saved epoch is finished: ``"same"`` layout, re-planned over another number of
+    readers (``"workers"``), or, with ``replan``, record by record over another batch size,
+    shuffle buffer or ``drop_last`` (``"records"``).
 
     Raises:
-        ValueError: another change of the layout, naming each.
+        ValueError: another change of the layout, naming each (and what ``replan=True`` allows).
     """
     now = _plan_params(epochs)
-    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in saved if key != "workers" and saved[key] != now[key]]
-    if changed:
+    changed = [key for key in saved if key != "workers" and saved[key] != now[key]]
+    named = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in changed)
+    fixed = [key for key in changed if key not in _REPLANNABLE]
+    if changed and (not replan or fixed):
+        hint = (" replan=True re-plans another batch size, shuffle buffer, drop_last or worker count; not another "
+                f"{', '.join(fixed)}." if replan else
+                " Or pass replan=True to re-plan it over another batch size, shuffle buffer or drop_last.")
         raise ValueError(
-            f"the saved epoch was planned with another layout ({', '.join(changed)}): the rest of it cannot be "
-            "re-planned over this one. Build the loader with the saved world size, rank, batch size, shuffle "
-            "buffer, drop_last, even_batches and split to finish it, or load a state saved between epochs")
+            f"the saved epoch was planned with another layout ({named}): the rest of it cannot be re-planned over "
+            "this one. Build the loader with the saved world size, rank, even_batches and split to finish it, or "
+            f"load a state saved between epochs.{hint if not fixed or replan else ''}")
+    if changed:
+        group = epochs.group
+        if group.groups > 1 or (group.size > 1 and epochs.tops_up and not epochs._collective):
+            raise ValueError(f"replan=True over another {', '.join(changed)} needs the ranks' batch counts evened "
+                             "out through torch.distributed, with split='shared'; finish the epoch with the saved "
+                             "layout instead")
+        if warn:
+            logger.warning("the saved epoch was planned with another layout (%s): replan=True re-plans the rest of "
+                           "it (each saved reader's undelivered records once, in this batch size and shuffle; ranks "
+                           "evened out by a top up), so its batches differ from the uninterrupted run's", named)
+        return "records"
     if saved["workers"] == now["workers"]:
-        return False
+        return "same"
     if warn:
         logger.warning("the saved epoch was read by %d readers per rank, this loader has %d: the rest of the epoch "
                        "is re-planned (each saved reader's stream is finished by one reader, every record once), "
                        "so its batches come in another order than the uninterrupted run's", saved["workers"],
                        now["workers"])
-    return True
+    return "workers"
 
 
-def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None:
+def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan: bool = False) -> None:
     """Check ``state`` and set ``epochs`` to resume from it (see the module docstring).
+
+    ``replan``: finish the saved epoch over another batch size, shuffle buffer or ``drop_last``
+    (with a warning): each record the loop had not consumed comes once, plus a top up that evens
+    out the ranks under DDP. Default: ``False`` (such a change raises).
 
     Raises:
         ValueError: a damaged field (named), another cache's state, or another layout.
@@ -563,7 +650,7 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
     if checked["cache_id"] is None or cache.cache_id is None:
         logger.warning("resume state or cache %s has no cache id: the saved shards are matched by name only",
                        cache.path)
-    _check_layout(epochs, checked["plan"], warn=True)
+    _check_layout(epochs, checked["plan"], warn=True, replan=replan)
     shards = checked["snapshot"]["shards"]
     present = {os.path.basename(s.path) for s in cache.list_shards()}
     skipped = set(checked["snapshot"]["skipped"])
@@ -599,7 +686,7 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise") -> None
             pin = Pin(cache, checked["pin"]["name"], float(adopted["until"]), frozenset(adopted["seqs"]),
                       adopted.get("holder", ""), adopted.get("run", ""))
     epochs.epoch = checked["epoch"]
-    epochs.resume = Resume(checked, pin, skipped | {name for name, _ in lost})
+    epochs.resume = Resume(checked, pin, skipped | {name for name, _ in lost}, replan=replan)
 
 
 class ResumableLoader(EpochBookkeeping):
@@ -622,7 +709,7 @@ class ResumableLoader(EpochBookkeeping):
             pin_epoch(latest, self.resume_ttl)
         return loader_state(self.epochs, latest)
 
-    def load_state_dict(self, state: Mapping[str, Any], *, on_missing: str = "raise") -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, on_missing: str = "raise", replan: bool = False) -> None:
         """Resume from ``state``: the next ``iter()`` finishes the saved epoch, batch by batch as
         the uninterrupted run would have; ``{"epoch": N}`` starts epoch ``N``. See :func:`load_state`.
 
@@ -630,5 +717,9 @@ class ResumableLoader(EpochBookkeeping):
             state: from :meth:`state_dict`.
             on_missing: ``"raise"`` a :class:`~growcache.MissingShardsError` when saved shards are
                 gone, or ``"skip"`` them (logged, noted in ``skipped``). Default: ``"raise"``.
+            replan: finish the saved epoch over this loader's batch size, shuffle buffer or
+                ``drop_last`` where they changed (a warning; every record not yet consumed
+                once, plus DDP's top up). Another world size, rank or split still raises.
+                Default: ``False``: any change but the worker count raises.
         """
-        load_state(self.epochs, state, on_missing=on_missing)
+        load_state(self.epochs, state, on_missing=on_missing, replan=replan)

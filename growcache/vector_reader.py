@@ -568,6 +568,9 @@ class VectorReader(BatchReader):
     ) -> Iterator[Batch | Skipped]:
         """Yield ``(key, arrays, rows)`` per batch and a :class:`Skipped` per skipped shard,
         exactly as :meth:`BatchReader.batches` does."""
+        if share.skip_records or share.exclude.size:  # a resume re-planned record by record: the plain path
+            yield from BatchReader.batches(self, share, allocate, release)
+            return
         decoder = BatchDecoder(self.codec, self.window_batches)  # a window's staging rows in one block
         rng = np.random.default_rng([share.shuffle_seed & 0xFFFFFFFFFFFFFFFF, 0x73687566])
         window = _Window(self, decoder, allocate, release, rng)

@@ -210,3 +210,24 @@ def test_a_state_before_the_first_epoch_leaves_the_group_unresolved(id_cache):
     load_state(epochs, state)
     with pytest.raises(ValueError, match="'progress'"):
         load_state(epochs, dict(state, progress=3))
+
+
+@pytest.mark.parametrize("batch, buffer, drop_last", [(4, 10, False), (3, 0, False), (5, 12, True)])
+def test_delivered_records_replays_the_readers_shuffle_and_last_window(id_cache, batch, buffer, drop_last):
+    # What a resume re-planned over another batch size knows of a saved reader: the records its
+    # first d batches held, found without reading. Checked against a real reader's batches, every d,
+    # the last (partial, compacted) shuffle window included.
+    import numpy as np
+
+    from growcache.batching import BatchReader, ReaderShare, delivered_records
+
+    ids = write_shards(id_cache, [9, 4, 7, 11])
+    shards = id_cache.list_shards()
+    share = ReaderShare(np.array([os.fsencode(s.path) for s in shards]), np.array([s.records for s in shards]),
+                        np.arange(len(shards)), shuffle_seed=77)
+    reader = BatchReader(ID_SCHEMA, batch, shuffle_buffer=buffer, drop_last=drop_last)
+    allocate = lambda rows: (None, {k: np.zeros((rows, *v.shape), v.dtype) for k, v in ID_SCHEMA.items()})  # noqa: E731
+    batches = [arrays["id"][:rows].reshape(-1).tolist() for _, arrays, rows in reader.batches(share, allocate)]
+    for d in range(len(batches) + 1):
+        skip, positions = delivered_records(77, len(ids), d, batch, buffer, drop_last)
+        assert set(ids[:skip]) | {ids[p] for p in positions} == {i for b in batches[:d] for i in b}, d

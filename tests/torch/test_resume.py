@@ -273,3 +273,24 @@ def test_accelerate_checkpoints_the_loader_and_skip_first_batches_points_to_the_
     accelerator.load_state(str(tmp_path / "checkpoint"))
     assert got + _ids(resumed) == expected
     resumed.close()
+
+
+@pytest.mark.parametrize("saved, now", [(0, 0), (2, 2), (2, 0)])
+@pytest.mark.parametrize("batch, buffer", [(16, 0), (5, 30)])
+def test_replan_finishes_the_epoch_over_another_batch_size_and_shuffle_each_record_once(grown, caplog, saved, now,
+                                                                                         batch, buffer):
+    expected = _reference(grown, num_workers=saved)
+    got, state = _cut(grown, 7, num_workers=saved)
+    with make_torch_loader(grown, batch, shuffle_buffer=buffer, seed=3, num_workers=now) as loader:
+        with pytest.raises(ValueError, match=r"replan=True"):
+            loader.load_state_dict(state)
+        with caplog.at_level(logging.WARNING, logger="growcache"):
+            loader.load_state_dict(state, replan=True)
+            rest = _ids(loader)
+        assert loader.last_epoch.number == 1 and loader.last_epoch.ended
+        assert len(_ids(loader)) and loader.last_epoch.number == 2  # then a fresh snapshot, in the new layout
+    assert "replan=True re-plans the rest" in caplog.text
+    assert got == expected[:7]
+    delivered = sorted(i for b in got + rest for i in b)
+    assert delivered == sorted(i for b in expected for i in b)  # every record, once
+    assert sum(len(b) == batch for b in rest) >= len(rest) - max(saved, 1)  # full batches but each stream's last

@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, stop: int, load: list | None = None,
-          on_missing: str = "raise") -> None:
+          on_missing: str = "raise", batch_size: int = 8) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
     # A rank left waiting in an all-reduce fails after this, rather than hang the test.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4 * 8, 1))
-    loader = growcache.make_torch_loader(cache, 8, num_workers=0, shuffle_buffer=20, seed=3)
+    loader = growcache.make_torch_loader(cache, batch_size, num_workers=0, shuffle_buffer=20, seed=3)
     state_path = os.path.join(out, f"state{rank}.json")
     seen, error = [], None
     try:
@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
             name = f"state{rank}.json" if load is None else load[rank]
             if name is not None:
                 with open(os.path.join(out, name)) as f:
-                    loader.load_state_dict(json.load(f), on_missing=on_missing)
+                    loader.load_state_dict(json.load(f), on_missing=on_missing, replan=batch_size != 8)
         else:
             loader.set_epoch(1)
         for step, batch in enumerate(loader, 1):
@@ -61,7 +61,8 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
     except growcache.EpochSyncError as exc:
         error = str(exc)
     with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
-        json.dump({"batches": seen, "tops_up": loader.epochs.tops_up, "error": error}, f)
+        json.dump({"batches": seen, "tops_up": loader.epochs.tops_up, "error": error,
+                   "epoch": loader.last_epoch.number if loader.last_epoch else None}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -70,7 +71,8 @@ def _run(tmp_path, mode: str, stop: int = -1, **kwargs) -> list[dict]:
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop,
-                          kwargs.get("load"), kwargs.get("on_missing", "raise")), nprocs=2, join=True)
+                          kwargs.get("load"), kwargs.get("on_missing", "raise"), kwargs.get("batch_size", 8)),
+             nprocs=2, join=True)
     return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in range(2)]
 
 
@@ -107,6 +109,16 @@ def test_ranks_agree_on_the_resume_or_all_raise_and_a_gone_shard_keeps_batch_cou
             assert "cannot resume together" in error and "at batch 7" in error, (load, rank, error)
             assert ("at batch 5" if load[1] else "afresh") in error, (load, rank, error)
     assert Cache(tmp_path / "cache").stats().pins == 2  # kept for a retry with the right states
+    # replan=True over batches of 13: equal batch counts (each step an all-reduce), each rank's records
+    # not yet consumed once, plus the top up that evens the ranks out.
+    after = _run(tmp_path, "resume", batch_size=13)
+    assert len(after[0]["batches"]) == len(after[1]["batches"]) > 0 and after[0]["epoch"] == 1
+    for rank in range(2):
+        rest = [i for b in after[rank]["batches"] for i in b]
+        done = {i for b in before[rank]["batches"] for i in b}
+        assert set(rest) | done == {i for b in whole[rank]["batches"] for i in b}, rank
+        topped = len([i for b in whole[rank]["batches"][7:] for i in b if i in done])  # the planned top up
+        assert len(rest) - len(set(rest) - done) <= topped + 13, rank  # and at most a batch to even ranks out
     # The shard rank 1 was reading at its save goes: the window its resume re-reads is cut short.
     state = json.loads((tmp_path / "state1.json").read_text())
     names = [name for name, _, _ in state["snapshot"]["shards"]]
