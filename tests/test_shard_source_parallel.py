@@ -20,7 +20,7 @@ from stores import s3, s3_server  # noqa: F401
 from test_shard_source import SCHEMA, state_of
 from tfrecords import compress, framed, labelled
 
-from growcache import Cache, SourceError, TFRecordShardSource
+from growcache import Cache, SamplerPool, SourceError, TFRecordShardSource
 from growcache import shard_source
 from growcache.records import iter_records
 from growcache.shard import TMP_PREFIX
@@ -210,6 +210,19 @@ def test_stopping_cancels_the_parts_in_flight(tmp_path, http_store):
     assert _fetch(source, cache, concurrency=8, should_stop=stop.is_set) == []
     assert time.monotonic() - began < 3.0  # it did not wait for the parts
     assert state_of(cache, source)["claims"] == {}  # released: the next fetch takes it again
+
+
+def test_a_sampler_pool_fetches_a_shard_in_parts_in_its_worker_process(tmp_path, http_store):
+    data = framed(_records(0))
+    url = http_store.put("shard-0", data)
+    http_store.latency = 0.02
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(url, chunk_bytes=PART)
+    with SamplerPool(cache, source, workers=1, seed=0) as pool:
+        pool.wait_for(records=RECORDS, timeout=60)  # raises if the worker failed
+    assert _cached(cache) == _records(0)  # whole, in order, once
+    assert http_store.peak_in_flight > 1  # the worker's parts were in flight together
+    assert sorted(set(http_store.range_starts)) == list(range(0, len(data), PART))
 
 
 def test_the_shard_fetch_benchmark_runs(tmp_path):
