@@ -823,14 +823,14 @@ class Epoch:
         # A reader that skips a corrupt shard reads on past its quota's point, into its cycle.
         return self.epochs.options.on_corrupt == "raise"
 
-    def left(self) -> frozenset[int]:
-        """Sequence numbers of the shards the rest of the epoch reads after :attr:`consumed`
-        batches, on this rank: what a resume from here reads too."""
+    def left(self, consumed: int | None = None) -> frozenset[int]:
+        """Sequence numbers of the shards the rest of the epoch reads after ``consumed`` batches
+        (default :attr:`consumed`), on this rank: what a resume from there reads too."""
         seqs = self.agreed.seqs
-        return frozenset(seqs[i] for i in self._left_indices())
+        return frozenset(seqs[i] for i in self._left_indices(self.consumed if consumed is None else consumed))
 
-    def _left_indices(self) -> set[int]:
-        return self.read_points().left(self.consumed)
+    def _left_indices(self, consumed: int) -> set[int]:
+        return self.read_points().left(consumed)
 
     def _next_change(self) -> int:
         return self.read_points().next_change(self.consumed)

@@ -203,7 +203,9 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
     noted = epochs._noted if epochs._noted_epoch == latest.number else set()
     skipped = sorted({os.path.basename(path) for path, _, _ in noted} & names)
     if latest.pin is not None and getattr(latest, "assignment", None) is None:
-        latest.pin.shrink(set(latest.left()))
+        # What a resume one batch earlier reads too: a trainer that fetches a batch ahead saves
+        # the batches its steps processed (Lightning's ResumeCallback, Lightning issue #18135).
+        latest.pin.shrink(set(latest.left(max(latest.consumed - 1, 0))))
     state.update(epoch=latest.number, seed=latest.seed, progress=int(latest.consumed),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
@@ -364,9 +366,9 @@ class _ResumedEpoch(Epoch):
             return super().batches()
         return int(self.loaded_state["progress"]) + _part_batches(self.epochs, self.parts)
 
-    def _left_indices(self) -> set[int]:
+    def _left_indices(self, consumed: int) -> set[int]:
         if self.assignment is None:
-            return super()._left_indices()
+            return super()._left_indices(consumed)
         # Re-planned: each reader reads saved readers' rests one after another, no longer
         # round-robin; what the rests read from the resume point on stays leased.
         points = self.read_points()

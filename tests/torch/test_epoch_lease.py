@@ -89,3 +89,27 @@ def test_ranks_release_each_others_shards_at_once_and_their_own_as_they_read(tmp
         # last, partial shuffle window to drop what it delivered).
         assert seen[-1] >= points.kept and len(seen[-1] - points.kept) <= plan.workers
         assert len(seen) >= 2  # it let go of some as it read
+
+
+def test_the_pin_keeps_what_a_resume_one_batch_earlier_reads(id_cache):
+    # Lightning's fetcher runs a batch ahead: its ResumeCallback saves one batch less than the loader
+    # counted. Saved right where a shard is passed, that state must still find the shard after the
+    # process is gone and the cache evicted everything unpinned.
+    write_shards(id_cache, SHARDS)
+    with make_torch_loader(id_cache, 8, num_workers=0, shuffle_buffer=20, seed=3, resume_ttl=0) as loader:
+        loader.set_epoch(1)
+        whole = [b["id"].tolist() for b in loader]
+    loader = make_torch_loader(id_cache, 8, num_workers=0, shuffle_buffer=20, seed=3)
+    loader.set_epoch(1)
+    iterator = iter(loader)
+    points = loader.last_epoch.read_points()
+    boundary = points.next_change(points.next_change(0))  # the second shard passed: the first can go
+    got = [next(iterator)["id"].tolist() for _ in range(boundary)]
+    state = loader.state_dict()
+    state["progress"] -= 1  # what the callback saves
+    del iterator
+    loader.close()
+    assert id_cache.evict(to=0)  # everything neither pinned nor leased goes
+    with make_torch_loader(id_cache, 8, num_workers=0, shuffle_buffer=20, seed=3) as resumed:
+        resumed.load_state_dict(state)
+        assert got[:-1] + [b["id"].tolist() for b in resumed] == whole
