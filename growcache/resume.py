@@ -84,7 +84,8 @@ _KEYS = {"format", "version", "epoch", "seed", "cache_id", "plan", "snapshot", "
 _PLAN_KEYS = {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "workers": 1, "batch_size": 1,
               "shuffle_buffer": 0}
 _PLAN_FLAGS = ("even_batches", "drop_last")
-_REPLANNABLE = ("batch_size", "shuffle_buffer", "drop_last")
+_REPLANNABLE = ("batch_size", "shuffle_buffer", "drop_last", "world_size", "rank", "group_size", "group_rank")
+_WORLD = ("world_size", "rank", "group_size", "group_rank")
 _MAX_INT = 2**62
 _MAX_SHARDS = 10**7
 
@@ -341,6 +342,8 @@ class _ResumedEpoch(Epoch):
     assignment: tuple[tuple[int, ...], ...] | None = None  # re-planned: saved readers each reader finishes
     parts: dict | None = None  # re-planned record by record: Resume._record_parts
     saved_windows: int = 1  # batches of a shuffle window in the saved layout
+    saved_tops_up: bool = False  # the saved plan's readers top up (its quotas and cycles hold)
+    whole: bool = False  # re-planned over another world size: its lease holds the snapshot to the end
 
     def share(self, reader: int = 0) -> ReaderShare:
         if self.assignment is not None:
@@ -367,6 +370,8 @@ class _ResumedEpoch(Epoch):
         return int(self.loaded_state["progress"]) + _part_batches(self.epochs, self.parts)
 
     def _left_indices(self, consumed: int) -> set[int]:
+        if self.whole:  # readers finish other saved ranks' streams
+            return set(range(len(self._records)))
         if self.assignment is None:
             return super()._left_indices(consumed)
         # Re-planned: each reader reads saved readers' rests one after another, no longer
@@ -378,11 +383,19 @@ class _ResumedEpoch(Epoch):
     def _next_change(self) -> int:
         return super()._next_change() if self.assignment is None else 2**62
 
-    def _saved_share(self, original: int) -> ReaderShare:
-        """The rest of saved reader ``original``'s share."""
-        share = super().share(original)
+    def _saved_share(self, original: Any) -> ReaderShare:
+        """The rest of saved reader ``original``'s share (a worker of this rank, or ``(rank, worker)``)."""
+        if isinstance(original, tuple):  # another saved rank's reader: the saved plan's share of it
+            index = self.plan.reader(*original)
+            tops_up = self.saved_tops_up
+            share = ReaderShare(self._paths, self._records, self.plan.shards[index],
+                                quota=int(self.plan.quotas[index]) if tops_up else -1,
+                                cycle=self.plan.cycle[index] if tops_up else np.empty(0, np.int64),
+                                shuffle_seed=reader_seed(self.seed, self.plan.epoch, index))
+        else:
+            share = super().share(original)
         if self.parts is not None:
-            share.skip_records, share.exclude, share.quota = self.parts[original]
+            share.skip_records, share.exclude, share.quota = self.parts[original][:3]
         else:
             share.skip_batches = self.skips[original]
         if self.gone is not None:
@@ -489,7 +502,8 @@ class Resume:
 
         try:
             plan = plan_for(None)
-            parts = self._record_parts(epochs, plan, infos) if kind == "records" else None
+            parts = (self._record_parts(epochs, plan, infos) if kind == "records" else
+                     self._world_parts(epochs, plan, infos) if kind == "world" else None)
             if agreement is not None:  # as at the epoch's start: groups of ranks agree on one batch count
                 reports = agreement.confirm(True, plan.rank_batches(group.rank) if parts is None else
                                             _part_batches(epochs, parts))
@@ -498,7 +512,7 @@ class Resume:
                 if failed:
                     raise EpochSyncError(f"ranks {failed} could not resume epoch {self.epoch} (see their errors); "
                                          "every rank stops rather than read different data")
-                if reports is not None and parts is not None and epochs.tops_up:
+                if reports is not None and parts is not None and epochs.tops_up and len(reports) > 1:
                     _even_parts(epochs, parts, [batches for _, batches in reports])
                 elif reports is not None and group.groups > 1 and plan_args["even_batches"]:
                     counts = [batches for _, batches in reports]
@@ -507,10 +521,12 @@ class Resume:
             snapshot.close()
             raise
         workers = plan.workers
-        counts = [plan.batches(plan.reader(group.rank, w)) for w in range(workers)]
+        counts = [plan.batches(plan.reader(plan_args["group_rank"], w)) for w in range(workers)]
         skips, following = split_progress(counts, state["progress"])
         assignment = None
-        if replanned:  # each saved reader's rest goes whole to one reader, the largest rests first
+        if kind == "world":
+            assignment = [[key for key in parts if parts[key][3] == reader] for reader in range(epochs.readers)]
+        elif replanned:  # each saved reader's rest goes whole to one reader, the largest rests first
             rests = [int(plan.quotas[plan.reader(group.rank, w)]) - skips[w] * plan.batch_size if parts is None
                      else parts[w][2] - parts[w][0] - len(parts[w][1]) for w in range(workers)]
             loads, assignment = [0] * epochs.readers, [[] for _ in range(epochs.readers)]
@@ -527,6 +543,7 @@ class Resume:
                               assignment=None if assignment is None else tuple(map(tuple, assignment)),
                               parts=parts, saved_windows=window_batches(plan_args["shuffle_buffer"],
                                                                         plan_args["batch_size"]),
+                              saved_tops_up=_saved_tops_up(plan_args), whole=kind == "world",
                               gone=np.array(sorted(i for i, info in enumerate(infos)
                                                    if os.path.basename(info.path) in gone), np.int64))
         epoch._paths = np.array([os.fsencode(info.path) for info in infos], dtype=np.bytes_)
@@ -540,28 +557,55 @@ class Resume:
                     epoch.consumed, sum(counts), len(infos))
         return epoch
 
-    def _record_parts(self, epochs: Epochs, plan: EpochPlan, infos: list[ShardInfo]) -> dict[int, list]:
-        """Per saved reader of this rank, re-planned over another batch size or shuffle buffer:
-        ``[records passed over, positions delivered past them, quota]`` of its stream."""
-        state, rank = self.state, epochs.group.rank
+    def _record_parts(self, epochs: Epochs, plan: EpochPlan, infos: list[ShardInfo],
+                      rank: int | None = None) -> dict[Any, list]:
+        """Per saved reader of ``rank`` (default: this one), re-planned over another batch size
+        or shuffle buffer: ``[records passed over, positions delivered past them, quota]`` of its
+        stream. Every rank consumed as many batches, so any rank's state tells every rank's."""
+        state = self.state
         saved = state["plan"]
+        mine = rank is None
+        rank = epochs.group.rank if mine else rank
+        tops_up = _saved_tops_up(saved)
         counts = [plan.batches(plan.reader(rank, w)) for w in range(plan.workers)]
         skips, _ = split_progress(counts, state["progress"])
-        parts = {}
+        parts: dict[Any, list] = {}
         for worker in range(plan.workers):
             index = plan.reader(rank, worker)
-            quota = int(plan.quotas[index]) if epochs.tops_up else sum(infos[int(i)].records for i in plan.shards[index])
+            quota = int(plan.quotas[index]) if tops_up else sum(infos[int(i)].records for i in plan.shards[index])
             skip, exclude = delivered_records(reader_seed(state["seed"], self.epoch, index), quota, skips[worker],
                                               saved["batch_size"], saved["shuffle_buffer"], saved["drop_last"])
-            parts[worker] = [skip, exclude, quota]
+            parts[worker if mine else (rank, worker)] = [skip, exclude, quota]
         return parts
+
+    def _world_parts(self, epochs: Epochs, plan: EpochPlan, infos: list[ShardInfo]) -> dict[Any, list]:
+        """Re-planned over another world size: every saved reader's rest, of every saved rank, goes
+        whole to one reader of the new world (the largest first, to the least loaded; the same on
+        every rank); this rank's, each with the reader it goes to as a fourth item."""
+        streams: dict[Any, list] = {}
+        for rank in range(self.state["plan"]["group_size"]):
+            streams.update(self._record_parts(epochs, plan, infos, rank))
+        group, readers = epochs.group, epochs.readers
+        loads = [0] * (group.size * readers)
+        parts = {}
+        for key in sorted(streams, key=lambda k: (-(streams[k][2] - streams[k][0] - len(streams[k][1])), k)):
+            target = loads.index(min(loads))
+            loads[target] += streams[key][2] - streams[key][0] - len(streams[key][1])
+            if target // readers == group.rank:
+                parts[key] = [*streams[key], target % readers]
+        return parts
+
+
+def _saved_tops_up(saved: dict[str, Any]) -> bool:
+    """Whether the saved plan's readers topped up (several ranks with even batches; one group)."""
+    return bool(saved["even_batches"]) and saved["group_size"] > 1
 
 
 def _part_batches(epochs: Epochs, parts: dict[int, list]) -> int:
     """Batches this rank yields from re-planned ``parts`` in its own batch size."""
     options = epochs.options
-    return sum(_batches(max(quota - skip - len(exclude), 0), int(options.batch_size), options.drop_last)
-               for skip, exclude, quota in parts.values())
+    return sum(_batches(max(part[2] - part[0] - len(part[1]), 0), int(options.batch_size), options.drop_last)
+               for part in parts.values())
 
 
 def _even_parts(epochs: Epochs, parts: dict[int, list], counts: list[int]) -> None:
@@ -571,9 +615,9 @@ def _even_parts(epochs: Epochs, parts: dict[int, list], counts: list[int]) -> No
     options = epochs.options
     target = min(counts) if options.drop_last else max(counts)
     step = int(options.batch_size) * (1 if target > _part_batches(epochs, parts) else -1)
-    turn = 0
-    while _part_batches(epochs, parts) != target and turn < 4 * (abs(target) + len(parts) + 1):
-        part = parts[turn % len(parts)]
+    turn, streams = 0, list(parts.values())
+    while streams and _part_batches(epochs, parts) != target and turn < 4 * (abs(target) + len(parts) + 1):
+        part = streams[turn % len(streams)]
         if part[2] + step - part[0] - len(part[1]) >= 0:
             part[2] += step
         turn += 1
@@ -582,7 +626,7 @@ def _even_parts(epochs: Epochs, parts: dict[int, list], counts: list[int]) -> No
 def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, replan: bool = False) -> str:
     """How the saved epoch is finished: ``"same"`` layout, re-planned over another number of
     readers (``"workers"``), or, with ``replan``, record by record over another batch size,
-    shuffle buffer or ``drop_last`` (``"records"``).
+    shuffle buffer or ``drop_last`` (``"records"``), or another world size (``"world"``).
 
     Raises:
         ValueError: another change of the layout, naming each (and what ``replan=True`` allows).
@@ -592,9 +636,9 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
     named = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in changed)
     fixed = [key for key in changed if key not in _REPLANNABLE]
     if changed and (not replan or fixed):
-        hint = (" replan=True re-plans another batch size, shuffle buffer, drop_last or worker count; not another "
-                f"{', '.join(fixed)}." if replan else
-                " Or pass replan=True to re-plan it over another batch size, shuffle buffer or drop_last.")
+        hint = (" replan=True re-plans another world size, batch size, shuffle buffer, drop_last or worker count; "
+                f"not another {', '.join(fixed)}." if replan else
+                " Or pass replan=True to re-plan it over another world size, batch size, shuffle buffer or drop_last.")
         raise ValueError(
             f"the saved epoch was planned with another layout ({named}): the rest of it cannot be re-planned over "
             "this one. Build the loader with the saved world size, rank, even_batches and split to finish it, or "
@@ -609,7 +653,8 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
             logger.warning("the saved epoch was planned with another layout (%s): replan=True re-plans the rest of "
                            "it (each saved reader's undelivered records once, in this batch size and shuffle; ranks "
                            "evened out by a top up), so its batches differ from the uninterrupted run's", named)
-        return "records"
+        world = saved["world_size"] != now["world_size"] or saved["group_size"] != now["group_size"]
+        return "world" if world else "records"
     if saved["workers"] == now["workers"]:
         return "same"
     if warn:
@@ -623,9 +668,11 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
 def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan: bool = False) -> None:
     """Check ``state`` and set ``epochs`` to resume from it (see the module docstring).
 
-    ``replan``: finish the saved epoch over another batch size, shuffle buffer or ``drop_last``
-    (with a warning): each record the loop had not consumed comes once, plus a top up that evens
-    out the ranks under DDP. Default: ``False`` (such a change raises).
+    ``replan``: finish the saved epoch over another world size, batch size, shuffle buffer or
+    ``drop_last`` (with a warning): each record the loop had not consumed comes once, plus a top
+    up that evens out the ranks under DDP. Over another world size, any rank's state serves (every
+    rank consumed as many batches): each saved reader's rest, of every saved rank, goes whole to
+    one reader of the new world. Default: ``False`` (such a change raises).
 
     Raises:
         ValueError: a damaged field (named), another cache's state, or another layout.
@@ -652,7 +699,7 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     if checked["cache_id"] is None or cache.cache_id is None:
         logger.warning("resume state or cache %s has no cache id: the saved shards are matched by name only",
                        cache.path)
-    _check_layout(epochs, checked["plan"], warn=True, replan=replan)
+    kind = _check_layout(epochs, checked["plan"], warn=True, replan=replan)
     shards = checked["snapshot"]["shards"]
     present = {os.path.basename(s.path) for s in cache.list_shards()}
     skipped = set(checked["snapshot"]["skipped"])
@@ -663,9 +710,10 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
                       even_batches=params["even_batches"])
     batches = window_batches(params["shuffle_buffer"], params["batch_size"])
     # Shards the rest of the epoch does not read (the pin let them go as the epoch went on) may be gone.
-    needed = needed_shards(plan, params["group_rank"], checked["progress"], batches * params["batch_size"], batches,
-                           records_of, params["even_batches"] and params["group_size"] > 1,
-                           exact=epochs.options.on_corrupt == "raise")
+    needed: set[int] = set()
+    for rank in range(params["group_size"]) if kind == "world" else [params["group_rank"]]:  # re-planned: all ranks'
+        needed |= needed_shards(plan, rank, checked["progress"], batches * params["batch_size"], batches, records_of,
+                                _saved_tops_up(params), exact=epochs.options.on_corrupt == "raise")
     lost = [(name, records) for i, (name, _, records) in enumerate(shards)
             if i in needed and name not in present and name not in skipped]
     if lost:
@@ -719,9 +767,9 @@ class ResumableLoader(EpochBookkeeping):
             state: from :meth:`state_dict`.
             on_missing: ``"raise"`` a :class:`~growcache.MissingShardsError` when saved shards are
                 gone, or ``"skip"`` them (logged, noted in ``skipped``). Default: ``"raise"``.
-            replan: finish the saved epoch over this loader's batch size, shuffle buffer or
-                ``drop_last`` where they changed (a warning; every record not yet consumed
-                once, plus DDP's top up). Another world size, rank or split still raises.
-                Default: ``False``: any change but the worker count raises.
+            replan: finish the saved epoch over this loader's world size, batch size, shuffle
+                buffer or ``drop_last`` where they changed (a warning; every record not yet
+                consumed once, plus DDP's top up). Another ``split`` or ``even_batches`` still
+                raises. Default: ``False``: any change but the worker count raises.
         """
         load_state(self.epochs, state, on_missing=on_missing, replan=replan)

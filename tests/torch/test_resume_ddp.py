@@ -119,6 +119,18 @@ def test_ranks_agree_on_the_resume_or_all_raise_and_a_gone_shard_keeps_batch_cou
         assert set(rest) | done == {i for b in whole[rank]["batches"] for i in b}, rank
         topped = len([i for b in whole[rank]["batches"][7:] for i in b if i in done])  # the planned top up
         assert len(rest) - len(set(rest) - done) <= topped + 13, rank  # and at most a batch to even ranks out
+    # replan=True over one process with 2 workers (another world size): the rest of both ranks' streams,
+    # each record not yet consumed once (with the saved plan's top up), from either rank's state.
+    from collections import Counter
+
+    import growcache
+
+    with growcache.make_torch_loader(cache, 8, num_workers=2, shuffle_buffer=20, seed=3) as loader:
+        loader.load_state_dict(json.loads((tmp_path / "state1.json").read_text()), replan=True)
+        rest = Counter(i for b in loader for i in b["id"].tolist())
+        assert loader.last_epoch.number == 1 and loader.last_epoch.ended
+    ids = lambda runs: Counter(i for run in runs for b in run["batches"] for i in b)  # noqa: E731
+    assert rest == ids(whole) - ids(before)
     # The shard rank 1 was reading at its save goes: the window its resume re-reads is cut short.
     state = json.loads((tmp_path / "state1.json").read_text())
     names = [name for name, _, _ in state["snapshot"]["shards"]]
