@@ -1505,7 +1505,8 @@ def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Calla
         counters[base + _RECORDS] += 1
         counters[base + _BYTES] += nbytes
 
-    job = FetchJob(cache, cfg.seed, index, stopping, max_bytes=cfg.shard_size, progress=progress)
+    job = FetchJob(cache, cfg.seed, index, stopping, max_bytes=cfg.shard_size, progress=progress,
+                   concurrency=cfg.concurrency, max_bytes_in_flight=cfg.max_bytes_in_flight)
     while not stopping():
         published = 0
         with contextlib.closing(cfg.source.fetch(job)) as shards:

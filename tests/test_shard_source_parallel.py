@@ -212,16 +212,19 @@ def test_stopping_cancels_the_parts_in_flight(tmp_path, http_store):
     assert state_of(cache, source)["claims"] == {}  # released: the next fetch takes it again
 
 
-def test_a_sampler_pool_fetches_a_shard_in_parts_in_its_worker_process(tmp_path, http_store):
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_sampler_pool_fetches_a_shard_in_parts_in_its_worker_process(tmp_path, http_store, concurrency):
+    """The pool's ``concurrency`` reaches the worker's fetch: 1 is the serial read of old."""
     data = framed(_records(0))
     url = http_store.put("shard-0", data)
     http_store.latency = 0.02
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
     source = TFRecordShardSource(url, chunk_bytes=PART)
-    with SamplerPool(cache, source, workers=1, seed=0) as pool:
+    with SamplerPool(cache, source, workers=1, seed=0, concurrency=concurrency) as pool:
         pool.wait_for(records=RECORDS, timeout=60)  # raises if the worker failed
     assert _cached(cache) == _records(0)  # whole, in order, once
-    assert http_store.peak_in_flight > 1  # the worker's parts were in flight together
+    # Parts in flight together, never more than the pool allows (the version check's HEAD adds none).
+    assert (http_store.peak_in_flight > 1) == (concurrency > 1) and http_store.peak_in_flight <= concurrency
     assert sorted(set(http_store.range_starts)) == list(range(0, len(data), PART))
 
 
