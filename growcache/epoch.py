@@ -500,7 +500,10 @@ class Epochs:
         group = self.group
         number = _pinned if _pinned is not None else self.epoch
         resume, self.resume = self.resume, None
-        if resume is not None and _pinned is None and resume.epoch == number:
+        # Inside trainer_epoch (fit_growing runs every epoch in one) the saved epoch's first start
+        # is the resume too; a later start of that number joins the resumed epoch below.
+        if resume is not None and resume.epoch == number and (
+                _pinned is None or not any(e.number == number for e in self.open_epochs())):
             return resume.start(self)  # the one start that takes no fresh snapshot (growcache.resume)
         if resume is not None:
             resume.abandon()

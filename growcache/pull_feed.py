@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from . import epoch as _epoch
 from .batching import Skipped
 from .epoch import Epoch, Epochs
 from .errors import GrowcacheError, MissingShardsError
@@ -91,7 +90,7 @@ class IteratorEpochs:
         """Start (or join) an epoch for a new iterator; return it and the iterator's token."""
         self._end_held()  # a new iterator: the consumer is done with the earlier ones
         try:
-            epoch = self._start()
+            epoch = self.epochs.start()
         except GrowcacheError as exc:
             self.note(exc)
             raise
@@ -101,15 +100,10 @@ class IteratorEpochs:
         self.meter.begin(epoch)
         return epoch, np.int64(epoch.token << 32 | next(_ITERATORS))
 
-    def _start(self) -> Epoch:
-        epochs, resume = self.epochs, self.epochs.resume
-        # Epochs.start finishes a loaded state only outside a trainer_epoch block; fit_growing runs
-        # every epoch in one, and there the saved epoch's first start is the resume too.
-        if resume is not None and _epoch._pinned == resume.epoch \
-                and not any(e.number == resume.epoch for e in epochs.open_epochs()):
-            epochs.resume = None
-            return resume.start(epochs)
-        return epochs.start()
+    @property
+    def reader(self) -> str:
+        """The kind of reader a state of this pipeline names (:data:`growcache.resume.READERS`)."""
+        return "tensorflow" if self.replays else "growcache"
 
     def start_share(self) -> tuple[np.ndarray, ...]:
         """Begin an iterator's epoch and hand over its share: ``(token, shard paths, top-up
@@ -237,7 +231,7 @@ class IteratorEpochs:
         if pin is not None:
             latest.pin = None
         try:
-            state = loader_state(epochs, latest)
+            state = loader_state(epochs, latest, reader=self.reader)
         finally:
             if pin is not None:
                 latest.pin = pin
@@ -253,22 +247,18 @@ class IteratorEpochs:
         have; ``{"epoch": N}`` starts epoch ``N``. See :func:`growcache.resume.load_state`.
 
         Raises:
-            ValueError: a damaged field (named), another cache's state, another layout; for a
-                pipeline that :attr:`replays`, a state of another number of readers.
+            ValueError: a damaged field (named), another cache's state, another layout, a
+                mid-epoch state of another kind of reader (:attr:`reader`); for a pipeline that
+                :attr:`replays`, a state of another number of readers.
             MissingShardsError: shards the rest of the epoch reads are gone (``on_missing="raise"``);
                 for a pipeline that replays, any shard of the saved epoch, whatever ``on_missing``.
         """
-        epochs = self.epochs
         if self.replays:
             checked = check_state(state)
-            if checked["snapshot"] is not None:
+            if checked["snapshot"] is not None and checked["plan"]["reader"] == self.reader:
                 self._check_replay(checked)
-        load_state(epochs, state, on_missing=on_missing)
+        load_state(self.epochs, state, on_missing=on_missing, reader=self.reader)
         self._follow = True
-        resume = epochs.resume
-        if resume is not None and resume.state["pin"] is not None:  # adopted: not one the next epoch releases
-            kept = epochs.__dict__.get("_kept_pins", [])
-            kept[:] = [p for p in kept if p.name != resume.state["pin"]["name"]]
 
     def _check_replay(self, state: dict[str, Any]) -> None:
         workers = state["plan"]["workers"]

@@ -56,6 +56,7 @@ from .shard import ShardInfo
 __all__ = [
     "DEFAULT_RESUME_TTL",
     "ON_MISSING",
+    "READERS",
     "STATE_VERSION",
     "Pin",
     "Resume",
@@ -79,6 +80,11 @@ STATE_VERSION = 1
 #: short enough that an abandoned run's shards do not hold the disk for days.
 DEFAULT_RESUME_TTL = 12 * 3600.0
 ON_MISSING = ("raise", "skip")
+#: The kinds of reader a state's ``plan.reader`` names: growcache's own readers (the PyTorch
+#: loader, TensorFlow's ``reader="growcache"``), which pass over delivered windows, or
+#: TensorFlow's ``TFRecordDataset`` replay, which reads the epoch again and drops the consumed
+#: batches. Each delivers another order, so a state resumes only in a reader of its kind.
+READERS = ("growcache", "tensorflow")
 _FORMAT = "growcache-loader"
 _KEYS = {"format", "version", "epoch", "seed", "cache_id", "plan", "snapshot", "progress", "pin"}
 _PLAN_KEYS = {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "workers": 1, "batch_size": 1,
@@ -128,8 +134,11 @@ class Pin:
 def release_kept_pins(epoch: Epoch) -> None:
     """``epoch`` of a loader starts: the pins its earlier, unfinished epochs kept are released
     (the run went on, so states naming them are stale)."""
+    own = None if epoch.pin is None else epoch.pin.name
     for kept in epoch.epochs.__dict__.pop("_kept_pins", []):
-        if kept is not epoch.pin:
+        # By name: a resume adopts the pin its state names as a new object, and the kept one of
+        # the same name is that very file, which the resumed epoch still reads from.
+        if kept.name != own:
             kept.release()
 
 
@@ -174,8 +183,9 @@ def _plan_params(epochs: Epochs) -> dict[str, Any]:
             "shuffle_buffer": int(epochs.reader.shuffle_buffer), "drop_last": bool(options.drop_last)}
 
 
-def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
-    """The state to resume ``epochs`` from, ``latest`` being the epoch the adapter started last.
+def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcache") -> dict[str, Any]:
+    """The state to resume ``epochs`` from, ``latest`` being the epoch the adapter started last,
+    read by a ``reader`` of :data:`READERS` (``plan.reader``).
 
     Mid-epoch, it names that epoch's snapshot and progress; between epochs (or once every batch of
     the epoch was consumed), the next epoch, with ``snapshot`` and ``pin`` ``None``. A state
@@ -191,7 +201,7 @@ def loader_state(epochs: Epochs, latest: Epoch | None) -> dict[str, Any]:
                              "seed": int(epochs.options.seed), "cache_id": epochs.cache.cache_id,
                              # Before a first epoch the group is unknown, and resolving it here would fix it
                              # before the process group exists: a state between epochs needs no plan.
-                             "plan": _plan_params(epochs) if epochs._group is not None else None,
+                             "plan": {**_plan_params(epochs), "reader": reader} if epochs._group is not None else None,
                              "snapshot": None, "progress": 0, "pin": None}
     if latest is None or latest.ended or latest.consumed >= latest.batches():
         if latest is not None and not latest.ended:
@@ -258,8 +268,10 @@ def check_state(state: Any) -> dict[str, Any]:
         if state["pin"] is not None:
             raise ValueError("resume state field 'pin' is set without a snapshot")
         return out
-    if not isinstance(plan, Mapping) or set(plan) != {*_PLAN_KEYS, *_PLAN_FLAGS, "split"}:
-        raise ValueError(f"resume state field 'plan' is not a dict of {sorted({*_PLAN_KEYS, *_PLAN_FLAGS, 'split'})}")
+    keys = {*_PLAN_KEYS, *_PLAN_FLAGS, "split"}
+    # 'reader' is optional: states saved before it named their reader are growcache's.
+    if not isinstance(plan, Mapping) or set(plan) - {"reader"} != keys:
+        raise ValueError(f"resume state field 'plan' is not a dict of {sorted(keys)} (and 'reader')")
     checked = {key: _int(plan, key, low, _MAX_INT, "plan.") for key, low in _PLAN_KEYS.items()}
     for key in _PLAN_FLAGS:
         if not isinstance(plan[key], bool):
@@ -268,6 +280,10 @@ def check_state(state: Any) -> dict[str, Any]:
     if plan["split"] not in SPLITS:
         raise ValueError(f"resume state field 'plan.split' is {plan['split']!r}, not one of {SPLITS}")
     checked["split"] = plan["split"]
+    reader = plan.get("reader", "growcache")
+    if reader not in READERS:
+        raise ValueError(f"resume state field 'plan.reader' is {reader!r}, not one of {READERS}")
+    checked["reader"] = reader
     if checked["rank"] >= checked["world_size"] or checked["group_rank"] >= checked["group_size"] \
             or checked["group_size"] > checked["world_size"]:
         raise ValueError(f"resume state field 'plan' names rank {checked['rank']} of {checked['world_size']} "
@@ -632,7 +648,7 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
         ValueError: another change of the layout, naming each (and what ``replan=True`` allows).
     """
     now = _plan_params(epochs)
-    changed = [key for key in saved if key != "workers" and saved[key] != now[key]]
+    changed = [key for key in saved if key not in ("workers", "reader") and saved[key] != now[key]]
     named = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in changed)
     fixed = [key for key in changed if key not in _REPLANNABLE]
     if changed and (not replan or fixed):
@@ -665,7 +681,8 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
     return "workers"
 
 
-def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan: bool = False) -> None:
+def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan: bool = False,
+               reader: str = "growcache") -> None:
     """Check ``state`` and set ``epochs`` to resume from it (see the module docstring).
 
     ``replan``: finish the saved epoch over another world size, batch size, shuffle buffer or
@@ -674,8 +691,12 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     rank consumed as many batches): each saved reader's rest, of every saved rank, goes whole to
     one reader of the new world. Default: ``False`` (such a change raises).
 
+    ``reader``: the kind of reader that finishes the epoch (:data:`READERS`); a mid-epoch state
+    saved by another kind raises, since that kind delivered another order. Default: ``"growcache"``.
+
     Raises:
-        ValueError: a damaged field (named), another cache's state, or another layout.
+        ValueError: a damaged field (named), another cache's state, another layout, or a
+            mid-epoch state of another kind of reader.
         MissingShardsError: shards of the saved snapshot are gone from the cache, with
             ``on_missing="raise"``: their names and record count.
     """
@@ -696,6 +717,14 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     if checked["snapshot"] is None:
         epochs.epoch = checked["epoch"]
         return
+    saved_reader = checked["plan"]["reader"]
+    if saved_reader != reader:
+        raise ValueError(
+            f"resume state field 'plan.reader' is {saved_reader!r}, but this pipeline reads with {reader!r}: the "
+            f"saved epoch was delivered in the order of a {saved_reader!r} reader, so a {reader!r} reader cannot "
+            "finish it. Resume with the saved kind of reader (TensorFlow: make_tf_dataset(reader=...), the schema "
+            "with a fixed layout for 'growcache'; 'growcache' is also the PyTorch loader's), or load "
+            f"{{'epoch': {checked['epoch']}}} to read that epoch afresh")
     if checked["cache_id"] is None or cache.cache_id is None:
         logger.warning("resume state or cache %s has no cache id: the saved shards are matched by name only",
                        cache.path)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ID_SCHEMA, write_shards
 from growcache import Cache
-from growcache.epoch import EpochOptions, Epochs
+from growcache.epoch import EpochOptions, Epochs, trainer_epoch
 from growcache.resume import check_state, load_state, loader_state, split_progress
 
 
@@ -38,7 +38,7 @@ def test_a_state_is_small_plain_json_naming_the_cache_snapshot_plan_and_progress
     assert [s[2] for s in state["snapshot"]["shards"]] == [9, 4, 7]
     assert state["plan"] == {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "split": "shared",
                              "even_batches": True, "workers": 1, "batch_size": 4, "shuffle_buffer": 0,
-                             "drop_last": False}
+                             "drop_last": False, "reader": "growcache"}
     assert check_state(state) == state
 
 
@@ -71,6 +71,8 @@ def _with(state, path, value):
     (("plan", "drop_last"), 0, "'plan.drop_last'"),
     (("plan", "rank"), 5, "'plan'"),
     (("plan", "extra"), 1, "'plan'"),
+    (("plan", "reader"), "pytorch", "'plan.reader'"),
+    (("plan", "reader"), None, "'plan.reader'"),
     (("snapshot", "shards", 0, 0), "../../../etc/passwd", r"'snapshot.shards\[0\]'"),
     (("snapshot", "shards", 0, 2), 10**6, r"'snapshot.shards\[0\]'"),
     (("snapshot", "shards"), [], "'snapshot.shards'"),
@@ -96,6 +98,44 @@ def test_old_style_and_empty_states_are_checked_too(epochs, hostile):
 def test_the_old_state_still_loads(epochs):
     load_state(epochs, {"epoch": 7})
     assert epochs.epoch == 7 and epochs.resume is None
+
+
+def test_a_state_resumes_only_in_its_kind_of_reader(epochs, state):
+    # TensorFlow's TFRecordDataset replay delivers another order than growcache's readers: a state
+    # of one kind finishing the epoch in the other would silently read a third order.
+    with pytest.raises(ValueError, match="'plan.reader' is 'growcache', but this pipeline reads with 'tensorflow'"):
+        load_state(epochs, state, reader="tensorflow")
+    assert epochs.resume is None
+    replayed = _with(state, ("plan", "reader"), "tensorflow")
+    with pytest.raises(ValueError, match="'plan.reader' is 'tensorflow', but this pipeline reads with 'growcache'"):
+        load_state(epochs, replayed)
+    load_state(epochs, replayed, reader="tensorflow")
+    assert epochs.resume is not None and epochs.resume.state["plan"]["reader"] == "tensorflow"
+    # Between epochs a state names no order yet: any reader starts the next epoch from it.
+    load_state(epochs, {**state, "snapshot": None, "progress": 0, "pin": None}, reader="tensorflow")
+    assert epochs.resume is None and epochs.epoch == 0
+
+
+def test_a_state_saved_before_plan_reader_is_growcaches(epochs, state):
+    older = _with(state, ("plan", "reader"), KeyError)
+    assert check_state(older)["plan"]["reader"] == "growcache"
+    with pytest.raises(ValueError, match="'plan.reader'"):
+        load_state(epochs, older, reader="tensorflow")
+    load_state(epochs, older)
+    assert epochs.resume is not None and epochs.resume.state["progress"] == 2
+
+
+def test_a_loaded_state_resumes_inside_trainer_epoch_and_a_second_start_joins_it(epochs, state):
+    # fit_growing runs every epoch inside trainer_epoch: the saved epoch's first start there must be
+    # the resume, not a fresh snapshot read from batch 0.
+    load_state(epochs, state)
+    with trainer_epoch(0):
+        resumed = epochs.start()
+        assert resumed.consumed == 2 and resumed.loaded_state is not None and epochs.resume is None
+        assert epochs.start() is resumed  # Keras' extra iterator of the same epoch joins it
+        epochs.leave(resumed.token, False)
+        epochs.leave(resumed.token, False)
+    assert resumed.ended
 
 
 def test_another_caches_state_is_refused(epochs, state, tmp_path):

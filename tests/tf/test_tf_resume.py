@@ -118,17 +118,37 @@ def test_reader_tensorflow_reads_the_epoch_again_and_skips_what_was_consumed(gro
     assert resumed.state_dict(consumed=3)["progress"] == 23
     assert got + [batch["id"].numpy().tolist() for batch in iterator] == expected
     del iterator
-    # The state of 2 readers would be re-read in another order: refused, naming the field.
+    # The state of growcache's 2 readers would be re-read in another order: refused, naming the field.
     two = _dataset(grown, cycle_length=2)
     two_iterator = iter(two)
     next(two_iterator)
-    with pytest.raises(ValueError, match=r"'plan.workers' is 2.*reader="):
+    with pytest.raises(ValueError, match=r"'plan.reader' is 'growcache'.*make_tf_dataset\(reader="):
         _dataset(grown, reader="tensorflow").load_state_dict(two.state_dict())
     # Any shard gone: the re-read cannot keep the order, on_missing="skip" or not.
     os.unlink(grown.list_shards()[-1].path)
     for on_missing in ("raise", "skip"):
         with pytest.raises(MissingShardsError, match=r"reads a resumed epoch again from its start"):
             _dataset(grown, reader="tensorflow").load_state_dict(state, on_missing=on_missing)
+
+
+def test_a_state_resumes_only_in_the_kind_of_reader_that_saved_it(grown):
+    # One reader each: the plans look alike, but the TFRecordDataset replay and growcache's reader
+    # deliver other orders, so a state loaded into the other kind would finish the epoch wrongly.
+    states = {}
+    for reader in ("tensorflow", "growcache"):
+        ds = _dataset(grown, reader=reader, cycle_length=1)
+        ds.epochs.set_epoch(1)
+        iterator = iter(ds)
+        next(iterator)
+        states[reader] = json.loads(json.dumps(ds.state_dict()))
+        assert states[reader]["plan"]["reader"] == reader and states[reader]["plan"]["workers"] == 1
+        del iterator
+    for saved, other in (("tensorflow", "growcache"), ("growcache", "tensorflow")):
+        with pytest.raises(ValueError, match=f"'plan.reader' is '{saved}', but this pipeline reads with '{other}'"):
+            _dataset(grown, reader=other, cycle_length=1).load_state_dict(states[saved])
+    ds = _dataset(grown, reader="tensorflow", cycle_length=1)
+    ds.load_state_dict(states["tensorflow"])  # its own kind resumes
+    assert ds.epochs.resume is not None
 
 
 def test_the_running_epochs_lease_lets_go_of_what_it_read_and_never_of_what_it_still_reads(grown):

@@ -122,6 +122,25 @@ def test_set_epoch_to_another_epoch_drops_the_resume_and_its_pin(grown):
     assert grown.stats().pins == 0
 
 
+def test_the_same_loader_reloading_its_state_keeps_the_pin_its_dropped_iterator_kept(grown):
+    # The dropped iterator keeps its pin for a resume; the resume adopts the same pin file as another
+    # object, and the resumed epoch's start released "the earlier epoch's" kept pin: that very file.
+    expected = _reference(grown, num_workers=0)
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        loader.set_epoch(1)
+        iterator = iter(loader)
+        got = [next(iterator)["id"].tolist() for _ in range(9)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        iterator.close()  # the loop broke out mid-epoch
+        loader.load_state_dict(state)
+        rest = []
+        for batch in loader:
+            rest.append(batch["id"].tolist())
+            assert [p["name"] for p in grown.pins()] == [state["pin"]["name"]]
+        assert got + rest == expected
+    assert grown.pins() == [] and grown.stats().pins == 0  # the resumed epoch's end released it
+
+
 def test_an_epoch_is_pinned_from_its_first_state_dict_and_a_loader_never_asked_pins_nothing(grown):
     # A pin written at every epoch's start held a killed or abandoned epoch's whole snapshot for
     # resume_ttl (12 hours) even where no state was ever saved: the soak's killed readers kept
