@@ -129,6 +129,21 @@ def write_shards(cache: Cache, shard_records: list[int], first_id: int = 0) -> l
     return ids
 
 
+def grow_while_down(path, first: set[str]) -> tuple[Cache, set[str]]:
+    """A killed run's downtime: its cache at ``path`` grows past a budget of 1.5x what it holds
+    and evicts, while the killed run's pin keeps the shards (all among ``first``, the epoch's
+    snapshot) that the rest of its epoch reads. Returns the cache, reopened with that budget,
+    and the paths of the pinned shards."""
+    cache = Cache(path)
+    cache = Cache(path, capacity=cache.stats().bytes * 3 // 2)
+    [pin] = cache.pins()
+    pinned = {s.path for s in cache.list_shards() if s.seq in pin["seqs"]}
+    assert pinned and pinned <= first
+    write_shards(cache, [40] * 12, first_id=10_000)
+    assert cache.stats().evicted > 0 and pinned <= {s.path for s in cache.list_shards()}
+    return cache, pinned
+
+
 @pytest.fixture
 def id_cache(tmp_path):
     """An empty cache with :data:`ID_SCHEMA` and a roomy budget."""

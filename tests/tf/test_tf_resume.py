@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ID_SCHEMA, write_shards
+from conftest import ID_SCHEMA, grow_while_down, write_shards
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -70,12 +70,7 @@ def test_a_killed_eager_loop_resumes_batch_by_batch_while_the_cache_grows_and_ev
     assert len(before) == kill_at and saved["progress"] == kill_at // save_every * save_every
     # The downtime: the cache grows past its budget and evicts; the killed run's pin keeps the
     # shards the rest of the epoch reads.
-    cache = Cache(tmp_path / "cache", capacity=cache.stats().bytes * 3 // 2)
-    [pin] = cache.pins()
-    pinned = {s.path for s in cache.list_shards() if s.seq in pin["seqs"]}
-    assert pinned and pinned <= first
-    write_shards(cache, [40] * 12, first_id=10_000)
-    assert cache.stats().evicted > 0 and pinned <= {s.path for s in cache.list_shards()}
+    cache, _ = grow_while_down(tmp_path / "cache", first)
     ds = _dataset(cache)
     ds.load_state_dict(saved)
     assert before[:saved["progress"]] + _ids(ds) == expected

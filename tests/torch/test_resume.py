@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import growcache  # noqa: E402
-from conftest import ID_SCHEMA, write_shards  # noqa: E402
+from conftest import ID_SCHEMA, grow_while_down, write_shards  # noqa: E402
 from growcache import Cache, MissingShardsError, make_torch_loader  # noqa: E402
 
 TRAINER = os.path.join(os.path.dirname(__file__), "resume_trainer.py")
@@ -57,13 +57,8 @@ def test_a_killed_run_resumes_batch_by_batch_while_the_cache_grows_and_evicts(tm
     assert len(before) == kill_at and saved["progress"] == kill_at // save_every * save_every
     # The downtime: the cache grows past its budget and evicts; the killed run's pin keeps the shards
     # the rest of the epoch reads (it let go of those read whole before the last save).
-    cache = Cache(tmp_path / "cache", capacity=cache.stats().bytes * 3 // 2)
-    [pin] = cache.pins()
-    pinned = {s.path for s in cache.list_shards() if s.seq in pin["seqs"]}
-    assert pinned and pinned <= first
-    write_shards(cache, [40] * 12, first_id=10_000)
+    cache, pinned = grow_while_down(tmp_path / "cache", first)
     stats = cache.stats()
-    assert stats.evicted > 0 and pinned <= {s.path for s in cache.list_shards()}
     assert stats.pins == 1 and stats.pinned_bytes == sum(os.path.getsize(p) for p in pinned)
     resumed = _train(tmp_path, mode="resume", workers=workers)
     assert resumed.returncode == 0, resumed.stderr
