@@ -1,5 +1,6 @@
 """Exact mid-epoch resume under DDP (issue 30): two gloo ranks with uneven halves (one rank tops
-up), stopped mid-epoch after saving each rank's loader state, restarted from those states in new
+up), SIGKILLed at a random batch mid-epoch after saving each rank's loader state (or, for the
+agreement checks, stopped), restarted from those states in new
 processes: on every rank, the batches before the save plus the resumed ones equal the
 uninterrupted epoch, batch by batch, and ranks stay even (each step is an all-reduce)."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import socket
 
 import pytest
@@ -57,6 +60,11 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
             if step == stop:
                 with open(state_path, "w") as f:
                     json.dump(loader.state_dict(), f)
+                if mode == "kill":  # both ranks saved, then each dies as a preempted job does
+                    with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
+                        json.dump({"batches": seen}, f)
+                    dist.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
                 break
     except growcache.EpochSyncError as exc:
         error = str(exc)
@@ -70,9 +78,15 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
 def _run(tmp_path, mode: str, stop: int = -1, **kwargs) -> list[dict]:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop,
-                          kwargs.get("load"), kwargs.get("on_missing", "raise"), kwargs.get("batch_size", 8)),
-             nprocs=2, join=True)
+    try:
+        mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop,
+                              kwargs.get("load"), kwargs.get("on_missing", "raise"), kwargs.get("batch_size", 8)),
+                 nprocs=2, join=True)
+    except mp.ProcessExitedException as exc:  # spawn then ends the other rank too
+        if mode != "kill" or exc.signal_name != "SIGKILL":
+            raise
+    else:
+        assert mode != "kill", "the ranks were to be killed"
     return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in range(2)]
 
 
@@ -84,7 +98,10 @@ def test_two_ranks_resume_mid_epoch_batch_by_batch_with_the_top_up(tmp_path):
     assert whole[0]["tops_up"] and len(whole[0]["batches"]) == len(whole[1]["batches"])
     ids = [i for rank in whole for batch in rank["batches"] for i in batch]
     assert len(ids) > len(set(ids)) == sum(SHARDS)  # one rank topped up, re-reading its own records
-    before = _run(tmp_path, "cut", stop=7)
+    stop = random.Random(os.getpid()).randrange(2, len(whole[0]["batches"]) - 1)
+    print(f"both ranks killed after batch {stop} of {len(whole[0]['batches'])}")
+    before = _run(tmp_path, "kill", stop=stop)
+    assert Cache(tmp_path / "cache").stats().pins == 2  # each killed rank's pin outlives it
     write_shards(cache, [40, 40], first_id=10_000)  # the cache grows meanwhile
     after = _run(tmp_path, "resume")
     for rank in range(2):
