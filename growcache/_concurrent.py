@@ -33,6 +33,9 @@ import numpy as np
 
 logger = logging.getLogger("growcache.sampler")
 
+#: Samples (or a shard's ranged parts) each sampler worker keeps in flight: measured, see
+#: docs/benchmarks.md, Filling the cache from a far store.
+DEFAULT_CONCURRENCY = 64
 # With the default concurrency (64) this bounds the samples in flight by their size: 64 windows
 # of 1 MiB, 16 of 4 MiB (see SamplerPool's docstring and docs/benchmarks.md).
 DEFAULT_MAX_BYTES_IN_FLIGHT = 64 * 2**20

@@ -84,6 +84,10 @@ class IteratorEpochs:
         # unread, whose shards it keeps.
         self._follow = False
         self._held: dict[int, Epoch] = {}  # epoch token -> epoch read out, its consumer behind
+        # Epoch tokens whose consumer was done before their iterator left: TensorFlow tears the
+        # C++ iterator down (and so calls leave) after the Python iterator is gone, so done()
+        # may come first, and such an epoch must not wait for a consumer that is gone.
+        self._consumer_gone: set[int] = set()
         self._base: dict[int, int] = {}  # epoch token -> Epoch.consumed at its start (a resume's progress)
 
     def begin(self) -> tuple[Epoch, np.int64]:
@@ -144,11 +148,14 @@ class IteratorEpochs:
         number = int(token) >> 32
         epoch = next((e for e in self.epochs.open_epochs() if e.token == number), None)
         behind = epoch is not None and epoch.consumed < epoch.batches()
-        if finished and behind and self._follow:
-            with self._lock:
+        with self._lock:
+            gone = number in self._consumer_gone
+            self._consumer_gone.discard(number)
+            hold = finished and behind and self._follow and not gone
+            if hold:
                 self._held[number] = epoch
-        else:
-            if behind and not finished:
+        if not hold:
+            if behind and (gone or not finished):
                 keep_pin(epoch)  # dropped mid-epoch: a state saved in it may be resumed
             self.epochs.leave(number, finished)
             if epoch is not None and epoch.ended:
@@ -182,6 +189,8 @@ class IteratorEpochs:
             return
         with self._lock:
             held = self._held.pop(epoch.token, None)
+            if held is None and not epoch.ended:
+                self._consumer_gone.add(epoch.token)
         if held is not None:
             self._end(held)
 

@@ -75,7 +75,8 @@ import numpy as np
 
 from ._size import format_size, parse_size
 from . import _sampler_stats
-from ._concurrent import DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine, runs_concurrently
+from ._concurrent import (DEFAULT_CONCURRENCY, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Task, Ticket, make_engine,
+                          runs_concurrently)
 from . import _proc
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
@@ -110,7 +111,6 @@ _AREA_HEAD = 3
 _OPEN_HEAD = 0
 # A shard in progress holds at most this many records, so that its indices fit a fixed array.
 _MAX_SHARD_RECORDS = 65536
-DEFAULT_CONCURRENCY = 64  # measured: docs/benchmarks.md, Filling the cache from a far store
 _POLL_S = 0.05
 _FETCH_IDLE_S = 0.2  # a shard source with nothing to fetch is asked again after this long
 DEFAULT_SHARD_SIZE = 256 * 10**6

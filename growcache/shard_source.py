@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _proc
-from ._concurrent import _TICKET, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Ticket
+from ._concurrent import _TICKET, DEFAULT_CONCURRENCY, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Ticket
 from ._retry import RetryPolicy
 from .errors import CacheFormatError, CompressedFileError, CorruptShardError, GrowcacheError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker
@@ -855,8 +855,6 @@ class _Until:
 
 def _in_flight(job: FetchJob) -> tuple[int, int]:
     """``(requests, bytes)`` a fetch keeps in flight at most: the job's, else the pool's defaults."""
-    from .sampler import DEFAULT_CONCURRENCY  # the sampler imports this module
-
     concurrency = DEFAULT_CONCURRENCY if job.concurrency is None else max(1, int(job.concurrency))
     max_bytes = DEFAULT_MAX_BYTES_IN_FLIGHT if job.max_bytes_in_flight is None else max(1, int(job.max_bytes_in_flight))
     return concurrency, max_bytes
