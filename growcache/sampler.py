@@ -1371,14 +1371,7 @@ class _SampleLoop:
         if not force and now - self._figures_at < 0.5:
             return
         self._figures_at = now
-        flow, counters, base = self.flow, self.counters, self.base
-        p50, p95, p99 = flow.latency_percentiles()
-        counters[base + _P50_US], counters[base + _P95_US], counters[base + _P99_US] = (
-            int(p50 * 1e6), int(p95 * 1e6), int(p99 * 1e6))
-        counters[base + _REQUESTS] = flow.requests
-        counters[base + _LIMIT] = flow.allowed()
-        counters[base + _THROTTLES] = self._throttles_before + flow.throttles
-        counters[base + _PEAK_INFLIGHT_BYTES] = max(counters[base + _PEAK_INFLIGHT_BYTES], flow.peak_bytes)
+        _flow_figures(self.flow, self.counters, self.base, self._throttles_before)
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -1496,17 +1489,36 @@ class _SampleLoop:
             self.writer.abort()
 
 
+def _flow_figures(flow: Flow, counters: Any, base: int, throttles_before: int) -> None:
+    """A worker's request figures (in flight, limit, latency percentiles, throttles, peak bytes)
+    into the pool's shared counters, which ``pool.stats()`` and the stats file read."""
+    p50, p95, p99 = flow.latency_percentiles()
+    counters[base + _P50_US], counters[base + _P95_US], counters[base + _P99_US] = (
+        int(p50 * 1e6), int(p95 * 1e6), int(p99 * 1e6))
+    counters[base + _REQUESTS] = flow.requests
+    counters[base + _LIMIT] = flow.allowed()
+    counters[base + _THROTTLES] = throttles_before + flow.throttles
+    counters[base + _PEAK_INFLIGHT_BYTES] = max(counters[base + _PEAK_INFLIGHT_BYTES], flow.peak_bytes)
+
+
 def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Callable[[], bool]) -> None:
     """The worker loop of a shard source: publish every shard it fetches; ask again when it has none."""
     base = index * _NSLOTS
     cache = cfg.cache
+    flow = Flow(cfg.concurrency, cfg.max_bytes_in_flight)  # every fetch of this worker shares it
+    throttles_before, figures_at = counters[base + _THROTTLES], 0.0
 
     def progress(nbytes: int) -> None:  # once per record copied
+        nonlocal figures_at
         counters[base + _RECORDS] += 1
         counters[base + _BYTES] += nbytes
+        now = time.monotonic()
+        if now - figures_at >= 0.5:
+            figures_at = now
+            _flow_figures(flow, counters, base, throttles_before)
 
     job = FetchJob(cache, cfg.seed, index, stopping, max_bytes=cfg.shard_size, progress=progress,
-                   concurrency=cfg.concurrency, max_bytes_in_flight=cfg.max_bytes_in_flight)
+                   concurrency=cfg.concurrency, max_bytes_in_flight=cfg.max_bytes_in_flight, flow=flow)
     while not stopping():
         published = 0
         with contextlib.closing(cfg.source.fetch(job)) as shards:
@@ -1528,6 +1540,7 @@ def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Calla
                 counters[base + _PUB_BYTES] += info.nbytes
                 counters[base + _SHARDS] += 1
                 counters[base + _PEAK_RSS_KB] = _peak_rss_kb()
+        _flow_figures(flow, counters, base, throttles_before)  # between fetches: none in flight
         if not published:  # other workers hold the rest of the pass, or the cache holds it all
             deadline = time.monotonic() + _FETCH_IDLE_S
             while time.monotonic() < deadline and not stopping():

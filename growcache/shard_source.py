@@ -118,6 +118,10 @@ class FetchJob:
             at a time. ``None``: the pool's default.
         max_bytes_in_flight: bytes of parts fetched and not yet copied, at most (the pool's
             ``max_bytes_in_flight``), whatever the shard's size. ``None``: the pool's default.
+        flow: the worker's :class:`~growcache._concurrent.Flow`, which every fetch of the job
+            shares: its in-flight limit (cut while the store throttles) carries over from one
+            shard to the next, and the pool reads its figures (``pool.stats()``: requests in
+            flight, latency percentiles, throttle events). ``None``: each read has its own.
     """
 
     cache: Cache
@@ -128,6 +132,7 @@ class FetchJob:
     progress: Callable[[int], None] | None = None
     concurrency: int | None = None
     max_bytes_in_flight: int | None = None
+    flow: Flow | None = None
 
 
 @dataclass(frozen=True)
@@ -257,8 +262,9 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         self._listed_for = 0  # the pass it serves
         #: The most bytes of ranged parts this process held at once (fetched or in flight, not yet copied).
         self.peak_bytes_in_flight = 0
-        # (requests, bytes, should_stop) of the fetch reading now (see _reading); None: serial reads.
-        self._window: tuple[int, int, Callable[[], bool]] | None = None
+        # (requests, bytes, should_stop, the job's flow) of the fetch reading now (see _reading);
+        # None: serial reads.
+        self._window: tuple[int, int, Callable[[], bool], Flow | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -410,10 +416,10 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         if window is None:
             yield from super().chunks(path, start, size)
             return
-        concurrency, max_bytes, should_stop = window
+        concurrency, max_bytes, should_stop, flow = window
         size = self.size(path) if size is None else size
         yield from _Parts(self, path, start, size, part=self.chunk_bytes, concurrency=concurrency,
-                          max_bytes=max_bytes, should_stop=should_stop)
+                          max_bytes=max_bytes, should_stop=should_stop, flow=flow)
 
     @contextlib.contextmanager
     def _reading(self, path: str, start: int, stop: int | None, job: FetchJob,
@@ -434,7 +440,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         compression = detect_compression(self._fetch(path, 0, min(size, 64))) if known and size else None
         plain = known and compression is None
         end = size if stop is None or not plain else min(stop, size)
-        self._window = (concurrency, max_bytes, job.should_stop)
+        self._window = (concurrency, max_bytes, job.should_stop, job.flow)
         parts = self.chunks(path, start if plain else 0, end)
         try:
             raw: Iterator[bytes] = parts
@@ -884,17 +890,18 @@ class _Parts:
     """
 
     def __init__(self, source: TFRecordShardSource, path: str, start: int, end: int, *, part: int, concurrency: int,
-                 max_bytes: int, should_stop: Callable[[], bool]) -> None:
+                 max_bytes: int, should_stop: Callable[[], bool], flow: Flow | None = None) -> None:
         self.source, self.path, self.start, self.end = source, path, start, end
         self.part = max(1, part)
         self.should_stop = should_stop
-        self.flow = Flow(concurrency, max_bytes)
+        self.flow = Flow(concurrency, max_bytes) if flow is None else flow
         self._ticket = Ticket(self.flow)  # routes each request's timing and throttling to this flow
         fs = source.fs
         self._loop = fs.loop if getattr(fs, "async_impl", False) else None
         self._threads = None if self._loop is not None else concurrent.futures.ThreadPoolExecutor(
             concurrency, thread_name_prefix="growcache-part")
         self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = collections.deque()
+        self._claimed = 0  # bytes taken from the flow's budget and not given back
 
     def __iter__(self) -> Iterator[bytes]:
         flow, position = self.flow, self.start
@@ -905,6 +912,7 @@ class _Parts:
                     if not flow._fits(stop - position):
                         break
                     flow.acquire(stop - position)  # it fits: never waits
+                    self._claimed += stop - position
                     self._pending.append((position, stop, self._submit(position, stop)))
                     position = stop
                 begin, stop, future = self._pending[0]
@@ -916,6 +924,7 @@ class _Parts:
                         "replaced or truncated while it was read")
                 yield data
                 flow.release(stop - begin)  # the reader has taken the part on
+                self._claimed -= stop - begin
         finally:
             self.close()
 
@@ -949,6 +958,9 @@ class _Parts:
             future.cancel()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._claimed:  # parts cancelled or left unread: the job's next read (same flow) has the budget
+            self.flow.release(self._claimed)
+            self._claimed = 0
         self.source.peak_bytes_in_flight = max(self.source.peak_bytes_in_flight, self.flow.peak_bytes)
 
 

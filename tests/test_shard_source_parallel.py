@@ -22,6 +22,7 @@ from tfrecords import compress, framed, labelled
 
 from growcache import Cache, SamplerPool, SourceError, TFRecordShardSource
 from growcache import shard_source
+from growcache._concurrent import Flow
 from growcache.records import iter_records
 from growcache.shard import TMP_PREFIX
 from growcache.sources import RetryPolicy
@@ -85,10 +86,11 @@ def _records(shard: int, count: int = RECORDS) -> list[bytes]:
 
 
 def _fetch(source: TFRecordShardSource, cache: Cache, *, concurrency: int = 8, max_bytes_in_flight: int | None = None,
-           should_stop=lambda: False) -> list:
+           should_stop=lambda: False, flow=None) -> list:
     """One fetch call, published as a sampler worker publishes it; returns the published shards."""
     published = []
-    job = FetchJob(cache, 0, 0, should_stop, concurrency=concurrency, max_bytes_in_flight=max_bytes_in_flight)
+    job = FetchJob(cache, 0, 0, should_stop, concurrency=concurrency, max_bytes_in_flight=max_bytes_in_flight,
+                   flow=flow)
     with contextlib.closing(source.fetch(job)) as shards:
         for shard in shards:
             published.append(cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit))
@@ -177,13 +179,15 @@ def test_a_shard_rewritten_mid_fetch_is_not_published_mixed(tmp_path, http_store
     http_store.latency = 0.02
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
     source = TFRecordShardSource(url, chunk_bytes=part)
+    flow = Flow(4, 64 << 20)  # a worker's, shared by its fetches as a sampler worker shares it
     with caplog.at_level("WARNING", logger="growcache"):
-        assert _fetch(source, cache, concurrency=4) == []
+        assert _fetch(source, cache, concurrency=4, flow=flow) == []
     assert http_store.rewrite_at is None, "the store was not rewritten mid-fetch"
     assert "changed while this pass ran; passed over" in caplog.text
     assert pass_progress(cache)[0].changed == 1
-    (shard,) = _fetch(source, cache, concurrency=4)  # the next pass: the new version, whole
-    assert _cached(cache) == _records(2)
+    assert flow.bytes == 0  # the abandoned read gave its parts' budget back for the next one
+    (shard,) = _fetch(source, cache, concurrency=4, flow=flow)  # the next pass: the new version, whole
+    assert _cached(cache) == _records(2) and flow.bytes == 0
 
 
 def test_bytes_in_flight_stay_within_max_bytes_in_flight(tmp_path, http_store):
@@ -207,8 +211,10 @@ def test_stopping_cancels_the_parts_in_flight(tmp_path, http_store):
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     began = time.monotonic()
-    assert _fetch(source, cache, concurrency=8, should_stop=stop.is_set) == []
+    flow = Flow(8, 64 << 20)
+    assert _fetch(source, cache, concurrency=8, should_stop=stop.is_set, flow=flow) == []
     assert time.monotonic() - began < 3.0  # it did not wait for the parts
+    assert flow.bytes == 0  # the cancelled parts' budget is given back to the worker's flow
     assert state_of(cache, source)["claims"] == {}  # released: the next fetch takes it again
 
 
@@ -219,10 +225,17 @@ def test_a_sampler_pool_fetches_a_shard_in_parts_in_its_worker_process(tmp_path,
     url = http_store.put("shard-0", data)
     http_store.latency = 0.02
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
-    source = TFRecordShardSource(url, chunk_bytes=PART)
+    http_store.fail_at = {3 * PART: [503]}  # one part throttled once: retried alone
+    source = TFRecordShardSource(url, chunk_bytes=PART, retry=FAST_RETRY)
     with SamplerPool(cache, source, workers=1, seed=0, concurrency=concurrency) as pool:
         pool.wait_for(records=RECORDS, timeout=60)  # raises if the worker failed
+        deadline = time.monotonic() + 10
+        while (stats := pool.stats()).latency_p50 == 0 and concurrency > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert _cached(cache) == _records(0)  # whole, in order, once
+    if concurrency > 1:  # the parts' requests show in pool.stats(), as a sample pool's do
+        assert stats.latency_p50 >= 0.02 and stats.latency_p99 >= stats.latency_p50
+        assert stats.throttle_events == 1 and 0 < stats.peak_bytes_in_flight <= pool.max_bytes_in_flight
     # Parts in flight together, never more than the pool allows (the version check's HEAD adds none).
     assert (http_store.peak_in_flight > 1) == (concurrency > 1) and http_store.peak_in_flight <= concurrency
     assert sorted(set(http_store.range_starts)) == list(range(0, len(data), PART))
