@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from growcache.epoch import trainer_epoch
+from growcache.manifest import atomic_write_bytes
 from growcache.metrics import DEFAULT_LOGGED, TrainerSource
 
 __all__ = ["BackupAndRestore", "InputStatsCallback", "fit_growing"]
@@ -298,10 +299,6 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             os.fsync(f.fileno())  # on disk before the metadata names it
         metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen, "weights": slot,
                     "growcache": self.dataset.state_dict(consumed=self._steps)}
-        path = os.path.join(self.backup_dir, self._METADATA)
-        with open(path + ".tmp", "w") as f:
-            json.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)  # the commit: the weights it names are written whole
+        # The commit: the weights it names are written whole.
+        atomic_write_bytes(os.path.join(self.backup_dir, self._METADATA), json.dumps(metadata).encode(), 0o644)
         self._slot = slot

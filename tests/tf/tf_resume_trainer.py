@@ -14,6 +14,7 @@ import signal
 import sys
 
 from growcache.adapters.tf_dataset import make_tf_dataset
+from growcache.manifest import atomic_write_bytes
 
 
 def main(args: dict) -> None:
@@ -26,9 +27,7 @@ def main(args: dict) -> None:
             log.write(json.dumps(batch["id"].numpy().tolist()) + "\n")
             log.flush()
             if number % args["save_every"] == 0:  # a checkpoint: written whole, then renamed
-                with open(state_path + ".tmp", "w") as f:
-                    json.dump(ds.state_dict(), f)
-                os.replace(state_path + ".tmp", state_path)
+                atomic_write_bytes(state_path, json.dumps(ds.state_dict()).encode())
             if number == args["kill_at"]:
                 os.kill(os.getpid(), signal.SIGKILL)
 

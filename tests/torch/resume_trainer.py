@@ -13,6 +13,7 @@ import signal
 import sys
 
 import growcache
+from growcache.manifest import atomic_write_bytes
 
 
 def main(args: dict) -> None:
@@ -32,9 +33,7 @@ def main(args: dict) -> None:
             if args["mode"] != "kill":
                 continue
             if number % args["save_every"] == 0:  # a checkpoint: written whole, then renamed
-                with open(state_path + ".tmp", "w") as f:
-                    json.dump(loader.state_dict(), f)
-                os.replace(state_path + ".tmp", state_path)
+                atomic_write_bytes(state_path, json.dumps(loader.state_dict()).encode())
             if number == args["kill_at"]:
                 os.kill(os.getpid(), signal.SIGKILL)
     print(json.dumps({"epoch": loader.last_epoch.number, "state": loader.state_dict()["epoch"]}))
