@@ -216,24 +216,42 @@ def _safe(ready: Callable[[], bool]) -> bool:
 _KEEPER = _Keeper()
 
 
+_DAMAGED: dict[str, Any] = {}  # a note that is not what Resume.note writes
+_NOTE_TYPES = {"epoch": int, "seed": (int, type(None)), "progress": int, "layout": dict, "group": str,
+               "cache": (str, type(None)), "snapshot": str}
+
+
+def _parsed_note(note: str) -> dict[str, Any]:
+    """A rank's note, checked field by field (another rank wrote it, through an epoch file in the
+    cache directory too): :data:`_DAMAGED` unless every field has its type."""
+    try:
+        parsed = json.loads(note)
+    except (TypeError, ValueError):
+        return _DAMAGED
+    if not isinstance(parsed, dict) or any(
+            not isinstance(parsed.get(k, ...), t) or isinstance(parsed.get(k), bool) for k, t in _NOTE_TYPES.items()):
+        return _DAMAGED
+    return parsed
+
+
 def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
     """Why ranks cannot resume together, from each rank's note (:meth:`growcache.resume.Resume.note`;
     ``""``: a rank that starts its epoch afresh); ``""`` when they agree. ``collective``: ``notes`` holds every world
     rank's, in rank order (epoch, seed, progress and layout must match world-wide, the snapshot
     within each group); else the group's first rank's, then this rank's."""
-    parsed = [json.loads(note) if note else None for note in notes]
-    if not any(parsed):
+    parsed = [_parsed_note(note) if note else None for note in notes]
+    if all(note is None for note in parsed):
         return ""
 
     def key(note: dict | None) -> Any:
-        if note is None:
-            return None
+        if note is None or note is _DAMAGED:
+            return None if note is None else object()  # a damaged note agrees with nothing
         shared = (note["epoch"], note["seed"], note["progress"], json.dumps(note["layout"], sort_keys=True))
         return shared if collective else (*shared, note["cache"], note["snapshot"])
 
     by_group: dict[Any, set] = {}
     for note in parsed:
-        if note is not None:
+        if note is not None and note is not _DAMAGED:
             by_group.setdefault(note["group"], set()).add((note["cache"], note["snapshot"]))
     if len({key(note) for note in parsed}) == 1 and all(len(seen) == 1 for seen in by_group.values()):
         return ""
@@ -241,7 +259,8 @@ def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
     seen: dict[str, list] = {}
     for rank, note in zip(ranks, parsed):
         what = ("starts its epoch afresh (no state loaded)" if note is None else
-                f"resumes epoch {note['epoch']} at batch {note['progress']} of snapshot {note['snapshot']} (seed "
+                "sent a damaged resume note (its epoch file was written by another version, or damaged)"
+                if note is _DAMAGED else f"resumes epoch {note['epoch']} at batch {note['progress']} of snapshot {note['snapshot']} (seed "
                 f"{note['seed']}, layout {note['layout']})")
         seen.setdefault(what, []).append(rank)
     told = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} {what}" for what, r in seen.items())

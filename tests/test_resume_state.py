@@ -271,3 +271,18 @@ def test_delivered_records_replays_the_readers_shuffle_and_last_window(id_cache,
     for d in range(len(batches) + 1):
         skip, positions = delivered_records(77, len(ids), d, batch, buffer, drop_last)
         assert set(ids[:skip]) | {ids[p] for p in positions} == {i for b in batches[:d] for i in b}, d
+
+
+@pytest.mark.parametrize("damaged", ["{", "[]", "null", json.dumps({"epoch": "1"}), json.dumps({"epoch": True})])
+def test_a_damaged_resume_note_of_another_rank_is_a_disagreement_not_a_traceback(damaged):
+    """Another rank's note comes through an epoch file in the cache directory: checked field by field."""
+    from types import SimpleNamespace
+
+    from growcache.rendezvous import disagreement
+
+    good = json.dumps({"epoch": 1, "seed": 3, "progress": 7, "layout": {"batch_size": 8}, "group": "g",
+                       "cache": "c", "snapshot": "abc"})
+    group = SimpleNamespace(world_rank=1)
+    assert disagreement([good, good], group, collective=False) == ""
+    for notes in ([good, damaged], [damaged, damaged], [damaged, ""]):
+        assert "damaged resume note" in disagreement(notes, group, collective=False), notes
