@@ -12,10 +12,16 @@ Contenders, each on the same store and windows:
   (its figures come from the pool's own counters and the workers' ``/proc`` CPU times);
 * ``plain_32_threads``: one process, 32 threads each calling ``fs.cat_file`` on random windows:
   the reference client the issue's targets compare against;
+* ``floor_fetch_write_c64``: no growcache code, only what a sampler cannot skip: 64 reads in flight on
+  one event loop through ``_cat_file``, and a writer thread that frames each window as a TFRecord
+  record with its CRC32C, appends it to 64 MiB files, fsyncs, renames and deletes the oldest past
+  2 GiB. Its CPU per GB is the floor of "fetch and shard writing" with these libraries on this host;
 * ``ideal``: in-flight x window size / latency, for 32 in flight.
 
 Reported per contender: MB/s and samples/s over a measured window after the first sample,
-sampler CPU seconds per GB, peak RSS of the sampler processes, and the time from ``start()``
+sampler CPU seconds per GB (for a pool also split by thread: the event loop that fetches, the sample
+loop that frames, checksums and writes records, and the rest: publishing, fsync, eviction), peak RSS of
+the sampler processes, and the time from ``start()``
 of a pool on an empty cache to its first published shard and to the first batch (32 records)
 read and decoded from the cache.
 
@@ -153,6 +159,29 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
+def _thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of the sampler processes split by thread: ``main`` (the sample loop: framing, CRC and
+    writing each record), ``loop`` (the busiest other live thread: the event loop that fetches) and
+    ``other`` (the rest, threads that already exited included: publishing, fsync, eviction, stats)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    split = {"main": 0.0, "loop": 0.0, "other": _cpu_s(pids)}
+    for pid in pids:
+        threads = {}
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                threads[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+        main = threads.pop(pid, 0.0)
+        loop = max(threads.values(), default=0.0)
+        split["main"] += main
+        split["loop"] += loop
+        split["other"] -= main + loop
+    return split
+
+
 def first_batch(cache: Any, batch: int) -> bool:
     """Read the first ``batch`` records the cache publishes, decoded into arrays, as a reader would:
     ``True`` once a whole batch was read (``False``: not enough records published yet)."""
@@ -200,12 +229,12 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
         while pool.stats().records_written < max(2, concurrency // 2) and time.monotonic() - started < 60:
             look()
             time.sleep(0.01)
-        t0, s0, cpu0 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
+        t0, s0, cpu0, split0 = time.monotonic(), pool.stats(), _cpu_s(pool.pids), _thread_cpu_s(pool.pids)
         end = t0 + seconds
         while time.monotonic() < end:
             look()
             time.sleep(0.02)
-        t1, s1, cpu1 = time.monotonic(), pool.stats(), _cpu_s(pool.pids)
+        t1, s1, cpu1, split1 = time.monotonic(), pool.stats(), _cpu_s(pool.pids), _thread_cpu_s(pool.pids)
         while first["batch"] is None and time.monotonic() - started < 30:
             look()
             time.sleep(0.02)
@@ -218,6 +247,7 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
     payload = samples * sample_bytes
     return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": samples / (t1 - t0),
             "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
+            "cpu_split_s_per_GB": {k: (split1[k] - split0[k]) / (payload / 1e9) for k in split0} if payload else None,
             "peak_rss_MB": max(final.worker_peak_rss) / 2**20, "first_shard_s": first["shard"],
             "first_batch_s": first["batch"],
             "latency_p50_ms": s1.latency_p50 * 1e3, "latency_p99_ms": s1.latency_p99 * 1e3,
@@ -258,6 +288,92 @@ def run_plain(urls: list[str], window: int, threads: int, seconds: float) -> dic
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "first_shard_s": None}
 
 
+def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tmp: str,
+              shard_bytes: int = 64 << 20, keep_bytes: int = 2 << 30) -> dict:
+    """The least work a sampler must do, with none of growcache's code: fetch and write, nothing else.
+
+    One event loop keeps ``concurrency`` reads in flight through the filesystem's ``_cat_file`` (as
+    a sampler's engine does); one writer thread frames each window as a TFRecord record (length,
+    masked CRC32C of the length, payload, masked CRC32C of the payload), appends it to a 64 MiB file
+    with ``writev``, fsyncs and renames each full file, and deletes the oldest past 2 GiB (as
+    eviction does). Its CPU per GB is the floor of "fetch and shard writing" with these libraries on
+    this host: the sampler's figure is read against it.
+    """
+    import asyncio
+    import queue
+    import struct
+
+    import crc32c
+    import fsspec
+
+    def masked(crc: int) -> int:
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    folder = tempfile.mkdtemp(dir=tmp)
+    done: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    written = [0]
+
+    def writer() -> None:
+        fd, size, files, n = None, 0, [], 0
+        while (data := done.get()) is not None:
+            if fd is None:
+                path = os.path.join(folder, f"tmp-{n}")
+                fd, size, n = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 0, n + 1
+            length = struct.pack("<Q", len(data))
+            os.writev(fd, [length, struct.pack("<I", masked(crc32c.crc32c(length))), data,
+                           struct.pack("<I", masked(crc32c.crc32c(data)))])
+            size += len(data) + 16
+            written[0] += 1
+            if size >= shard_bytes:
+                os.fsync(fd)
+                os.close(fd)
+                os.rename(path, path + ".tfrecord")
+                files.append(path + ".tfrecord")
+                fd = None
+                while len(files) * shard_bytes > keep_bytes:
+                    os.unlink(files.pop(0))
+        if fd is not None:
+            os.close(fd)
+
+    async def fetch_all(stop: threading.Event) -> None:
+        fs = fsspec.filesystem("http", asynchronous=True, skip_instance_cache=True)
+        session = await fs.set_session()
+        header = 128  # np.save's header for these arrays
+        rows = [(await fs._info(u))["size"] // ROW_BYTES for u in urls]
+
+        async def one(n: int) -> None:
+            rng = random.Random(n)
+            while not stop.is_set():
+                i = rng.randrange(len(urls))
+                start = header + rng.randrange(rows[i] - window) * ROW_BYTES
+                done.put(await fs._cat_file(urls[i], start=start, end=start + window * ROW_BYTES))
+
+        await asyncio.gather(*(one(n) for n in range(concurrency)))
+        await session.close()
+
+    stop = threading.Event()
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    fetcher = threading.Thread(target=lambda: asyncio.run(fetch_all(stop)), daemon=True)
+    fetcher.start()
+    try:
+        time.sleep(min(1.0, seconds / 3))
+        c0, t0, cpu0 = written[0], time.monotonic(), time.process_time()
+        time.sleep(seconds)
+        c1, t1, cpu1 = written[0], time.monotonic(), time.process_time()
+    finally:
+        stop.set()
+        fetcher.join(30)
+        done.put(None)
+        thread.join(30)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    payload = (c1 - c0) * window * ROW_BYTES
+    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": (c1 - c0) / (t1 - t0),
+            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None, "first_shard_s": None}
+
+
 def main(args: argparse.Namespace) -> dict:
     if args.from_json:
         with open(args.from_json) as f:
@@ -284,6 +400,9 @@ def main(args: argparse.Namespace) -> dict:
                     size = window * ROW_BYTES
                     run = {"latency_ms": latency, "window_bytes": size, "contenders": {}}
                     run["contenders"]["plain_32_threads"] = run_plain(urls, window, 32, args.seconds)
+                    run["contenders"]["floor_fetch_write_c64"] = run_floor(urls, window, 64, args.seconds, tmp)
+                    print(f"{latency} ms {size >> 10} KiB floor: {run['contenders']['floor_fetch_write_c64']}",
+                          flush=True)
                     for workers in args.workers:
                         for concurrency in args.concurrency:
                             name = f"pool_{workers}w_c{concurrency}"
@@ -311,18 +430,20 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| latency | window | contender | MB/s | samples/s | x plain 32 | CPU s/GB | peak RSS MB | first shard s "
-             "| first batch s |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| latency | window | contender | MB/s | samples/s | x plain 32 | CPU s/GB | of which fetch loop / "
+             "sample loop / other | peak RSS MB | first shard s | first batch s |",
+             "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for run in results["runs"]:
         plain = run["contenders"]["plain_32_threads"]["MBps"]
         for name, c in run["contenders"].items():
             def fmt(v: Any, spec: str = ".1f") -> str:
                 return "" if v is None else format(v, spec)
             ratio = c["MBps"] / plain if c.get("MBps") is not None and plain else None
+            split = c.get("cpu_split_s_per_GB")
+            split_text = " / ".join(f"{split[k]:.2f}" for k in ("loop", "main", "other")) if split else ""
             lines.append(f"| {run['latency_ms']:g} ms | {run['window_bytes'] >> 10} KiB | `{name}` | {fmt(c['MBps'])} | "
                          f"{fmt(c.get('samples_per_s'), '.0f')} | {fmt(ratio, '.2f')} | "
-                         f"{fmt(c.get('cpu_s_per_GB'), '.2f')} | {fmt(c.get('peak_rss_MB'), '.0f')} | "
+                         f"{fmt(c.get('cpu_s_per_GB'), '.2f')} | {split_text} | {fmt(c.get('peak_rss_MB'), '.0f')} | "
                          f"{fmt(c.get('first_shard_s'), '.2f')} | {fmt(c.get('first_batch_s'), '.2f')} |")
     return "\n".join(lines)
 

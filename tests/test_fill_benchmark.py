@@ -25,13 +25,67 @@ def test_fill_benchmark_quick(tmp_path):
     assert pool["MBps"] > 0 and pool["samples_per_s"] > 0 and plain["MBps"] > 0
     assert pool["first_shard_s"] is not None and 0 < pool["peak_rss_MB"] < 1000
     assert pool["first_batch_s"] >= pool["first_shard_s"]
+    # the pool's CPU split by thread adds up to its CPU; the fetch-and-write floor ran and wrote
+    split = pool["cpu_split_s_per_GB"]
+    assert set(split) == {"loop", "main", "other"} and min(split.values()) >= 0
+    assert abs(sum(split.values()) - pool["cpu_s_per_GB"]) < 1e-6 * max(1.0, pool["cpu_s_per_GB"])
+    floor = run["contenders"]["floor_fetch_write_c64"]
+    assert floor["MBps"] > 0 and floor["cpu_s_per_GB"] > 0
     table = fill.markdown(results)
-    assert "`pool_1w_c8`" in table and "`ideal_32`" in table
+    assert "`pool_1w_c8`" in table and "`ideal_32`" in table and "`floor_fetch_write_c64`" in table
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
     fill.update_docs(results, str(docs))
     fill.update_docs(results, str(docs))  # replaces its block, never adds a second
     assert docs.read_text().count(fill.BEGIN) == 1
+
+
+def test_thread_split_adds_up():
+    """The CPU split puts a busy thread in ``loop``, this thread in ``main``, and the rest (exited
+    threads included) in ``other``, adding up to the process's CPU."""
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import fill
+    finally:
+        sys.path.pop(0)
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = fill._thread_cpu_s([os.getpid()])
+    gone = threading.Thread(target=burn, args=(0.3,))  # exits before the split is read: "other"
+    gone.start()
+    gone.join()
+    pause, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        while not pause.is_set():
+            burn(0.05)
+        stop.wait()  # alive, idle: still a live thread while the split is read
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    try:
+        burn(0.2)
+        time.sleep(0.6)
+        pause.set()
+        time.sleep(0.1)
+        after = fill._thread_cpu_s([os.getpid()])
+        total = fill._cpu_s([os.getpid()])
+    finally:
+        pause.set()
+        stop.set()
+        busy.join()
+    assert -0.02 <= total - sum(after.values()) <= 0.03, (after, total)  # only this thread ran between
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["loop"] >= 0.4, delta  # the busy thread
+    assert delta["main"] >= 0.15, delta
+    assert delta["other"] >= 0.25, delta  # the thread that exited
 
 
 def test_serial_rate_benchmark_quick():
