@@ -539,6 +539,7 @@ class Epochs:
                 if "snapshot" in taken:
                     taken["snapshot"].close()
                 if resumers:  # every rank sees it where the rendezvous is collective: none reads on alone
+                    agreement.give_up()
                     raise EpochSyncError(disagreement(agreement.notes or [shards.note, ""], group,
                                                       collective=agreement.notes is not None))
                 raise _error_class(shards.error_type)(

@@ -126,6 +126,11 @@ class Agreement(Protocol):
     def release(self, close: Callable[[], None]) -> None:
         """The taker's epoch ended: call ``close`` (its lease) once every rank leased."""
 
+    def give_up(self) -> None:
+        """This rank will not read the epoch (it raises before it leases): the taker need not
+        hold its lease, nor its process's exit, waiting for this rank. A collective rendezvous
+        needs nothing: there every rank raises together."""
+
 
 class Rendezvous(Protocol):
     """Carries one group's agreement, epoch by epoch."""
@@ -305,6 +310,9 @@ class _CollectiveAgreement:
     def release(self, close: Callable[[], None]) -> None:
         close()  # every rank leased before the confirmation returned
 
+    def give_up(self) -> None:
+        pass
+
 
 # -- ranks in one process ------------------------------------------------------------------------
 class _LocalEpoch:
@@ -395,6 +403,9 @@ class _LocalAgreement:
             with self._rendezvous._group.cond:
                 self._entry.acks += 1
         return None
+
+    def give_up(self) -> None:
+        self.confirm(False, 0)
 
     def release(self, close: Callable[[], None]) -> None:
         rendezvous, entry = self._rendezvous, self._entry
@@ -491,12 +502,17 @@ class _FileAgreement:
         self.took = took
 
     def confirm(self, leased: bool, batches: int) -> None:
-        if not self.took and leased:
+        # The acknowledgement lets the first rank drop its lease: this rank holds the shards in
+        # a lease of its own now, or gave the epoch up and will not read them at all.
+        if not self.took:
             pid, start = _proc.this_process()
             body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time()}
             atomic_write_bytes(self._rendezvous.ack_path(self._epoch, self._rendezvous.rank),
                                json.dumps(body).encode(), self._rendezvous.file_mode)
         return None
+
+    def give_up(self) -> None:
+        self.confirm(False, 0)
 
     def release(self, close: Callable[[], None]) -> None:
         rendezvous, epoch = self._rendezvous, self._epoch

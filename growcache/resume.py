@@ -476,6 +476,7 @@ class Resume:
         problem = disagreement(notes, epochs.group, collective=agreement.notes is not None)
         if problem:
             self.abandon(quiet=True)
+            agreement.give_up()
             raise EpochSyncError(problem)
         self._confirmed = False
         try:

@@ -166,3 +166,93 @@ def test_ranks_agree_on_the_resume_or_all_raise_and_a_gone_shard_keeps_batch_cou
     seq = int(gone.split("-")[0])
     assert not {i for b in after[1]["batches"] for i in b} & set(range(sum(SHARDS[:seq - 1]), sum(SHARDS[:seq])))
     assert before[0]["batches"] + after[0]["batches"] == whole[0]["batches"]  # the other rank, as before
+
+
+def _file_rank(rank: int, cache: str, out: str) -> None:
+    """A rank of two without a process group (RANK/WORLD_SIZE only): the ranks agree through epoch
+    files in the cache. One reference epoch, one cut at batch 7 saving every step, then resumes
+    from the states each scenario names, a fresh loader each (ranks build them in the same order)."""
+    import time
+
+    import growcache
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", GROWCACHE_RUN_ID="file-resume")
+    os.environ.pop("MASTER_ADDR", None)
+
+    def loader():
+        return growcache.make_torch_loader(cache, 8, num_workers=0, shuffle_buffer=20, seed=3)
+
+    result: dict = {}
+    with loader() as ref:
+        ref.set_epoch(1)
+        result["whole"] = [b["id"].tolist() for b in ref]
+    with loader() as cut:
+        cut.set_epoch(1)
+        for step, batch in enumerate(cut, 1):
+            result.setdefault("before", []).append(batch["id"].tolist())
+            with open(os.path.join(out, f"file{rank}-{step}.json"), "w") as f:
+                json.dump(cut.state_dict(), f)
+            if step == 7:
+                break
+    with open(os.path.join(out, f"saved{rank}"), "w") as f:
+        f.write("1")
+    while not os.path.exists(os.path.join(out, f"saved{1 - rank}")):  # both saved before any resumes
+        time.sleep(0.05)
+    for name, steps in [("agree", (7, 7)), ("steps", (7, 5)), ("fresh1", (7, None)), ("fresh0", (None, 7))]:
+        batches, error = [], None
+        with loader() as resumed:
+            try:
+                if steps[rank] is None:
+                    resumed.set_epoch(1)  # a restarted rank that forgot to load its state
+                else:
+                    with open(os.path.join(out, f"file{rank}-{steps[rank]}.json")) as f:
+                        resumed.load_state_dict(json.load(f))
+                batches = [b["id"].tolist() for b in resumed]
+            except growcache.EpochSyncError as exc:
+                error = str(exc)
+        result[name] = {"batches": batches, "error": error}
+    if rank == 0:
+        # A rank that raised told this one so (its acknowledgement): the epoch files and leases go
+        # within polls, not after the agreement timeout (60 s), nor at this process's exit.
+        epochs_dir = os.path.join(cache, "epochs")
+        for _ in range(200):
+            if not os.listdir(epochs_dir) and growcache.Cache(cache).stats().leases == 0:
+                break
+            time.sleep(0.05)
+        result["left"] = [os.listdir(epochs_dir), growcache.Cache(cache).stats().leases]
+    with open(os.path.join(out, f"file{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_without_a_process_group_check_the_resume_through_epoch_files(tmp_path):
+    """Without a process group only the group's first rank writes (the epoch file, with its resume
+    note): every other rank checks its own note against it, and raises naming both when they
+    differ; the first rank cannot hear from the others, so it reads on with its own state, and it
+    lets its epoch file (and lease) go once the others leased or gave up."""
+    import multiprocessing
+
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, SHARDS)
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_file_rank, args=(r, str(tmp_path / "cache"), str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"file{r}.json").read_text()) for r in range(2)]
+    for rank, run in enumerate(ranks):
+        assert len(run["before"]) == 7 and run["before"] == run["whole"][:7], rank
+        # The same step on both: each rank goes on exactly where it stopped.
+        assert run["agree"]["error"] is None and run["before"] + run["agree"]["batches"] == run["whole"], rank
+    assert len(ranks[0]["whole"]) == len(ranks[1]["whole"]) > 7
+    # Rank 1 resumes another step, or none, than the first rank: it raises, naming both.
+    for name, mine, first in [("steps", "at batch 5", "at batch 7"), ("fresh1", "afresh", "at batch 7"),
+                              ("fresh0", "at batch 7", "afresh")]:
+        error = ranks[1][name]["error"] or ""
+        assert ranks[1][name]["batches"] == [] and "cannot resume together" in error, (name, error)
+        assert mine in error and first in error, (name, error)
+    assert ranks[0]["steps"]["error"] is None and ranks[0]["steps"]["batches"] == ranks[0]["whole"][7:]
+    assert ranks[0]["fresh0"]["error"] is None and ranks[0]["fresh0"]["batches"] == ranks[0]["whole"]
+    assert ranks[0]["left"] == [[], 0]  # the first rank let go: rank 1 acknowledged even as it raised
