@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, stop: int, load: list | None = None,
-          on_missing: str = "raise", batch_size: int = 8) -> None:
+          on_missing: str = "raise", batch_size: int = 8, replan: bool = False) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
             name = f"state{rank}.json" if load is None else load[rank]
             if name is not None:
                 with open(os.path.join(out, name)) as f:
-                    loader.load_state_dict(json.load(f), on_missing=on_missing, replan=batch_size != 8)
+                    loader.load_state_dict(json.load(f), on_missing=on_missing, replan=replan or batch_size != 8)
         else:
             loader.set_epoch(1)
         for step, batch in enumerate(loader, 1):
@@ -80,7 +80,8 @@ def _run(tmp_path, mode: str, stop: int = -1, **kwargs) -> list[dict]:
 
     try:
         mp.spawn(_rank, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path), mode, stop,
-                              kwargs.get("load"), kwargs.get("on_missing", "raise"), kwargs.get("batch_size", 8)),
+                              kwargs.get("load"), kwargs.get("on_missing", "raise"), kwargs.get("batch_size", 8),
+                              kwargs.get("replan", False)),
                  nprocs=2, join=True)
     except mp.ProcessExitedException as exc:  # spawn then ends the other rank too
         if mode != "kill" or exc.signal_name != "SIGKILL":
@@ -256,3 +257,35 @@ def test_ranks_without_a_process_group_check_the_resume_through_epoch_files(tmp_
     assert ranks[0]["steps"]["error"] is None and ranks[0]["steps"]["batches"] == ranks[0]["whole"][7:]
     assert ranks[0]["fresh0"]["error"] is None and ranks[0]["fresh0"]["batches"] == ranks[0]["whole"]
     assert ranks[0]["left"] == [[], 0]  # the first rank let go: rank 1 acknowledged even as it raised
+
+
+@pytest.mark.timeout(300)
+def test_a_state_saved_by_one_process_is_finished_by_two_ranks_with_replan(tmp_path):
+    """replan=True from one process (2 workers) to 2 gloo ranks: both ranks load the one state;
+    together they deliver every record the process had not consumed, none it had, in equal
+    batch counts (each step an all-reduce), duplicates only from the top up that evens them."""
+    from collections import Counter
+
+    import growcache
+
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, SHARDS)
+    with growcache.make_torch_loader(cache, 8, num_workers=2, shuffle_buffer=20, seed=3) as loader:
+        loader.set_epoch(1)
+        whole = Counter(i for b in loader for i in b["id"].tolist())
+    assert sorted(whole) == list(range(sum(SHARDS))) and set(whole.values()) == {1}
+    with growcache.make_torch_loader(cache, 8, num_workers=2, shuffle_buffer=20, seed=3) as loader:
+        loader.set_epoch(1)
+        before = Counter()
+        for step, batch in enumerate(loader, 1):
+            before.update(batch["id"].tolist())
+            if step == 9:
+                (tmp_path / "single.json").write_text(json.dumps(loader.state_dict()))
+                break
+    after = _run(tmp_path, "resume", load=["single.json", "single.json"], replan=True)
+    assert len(after[0]["batches"]) == len(after[1]["batches"]) > 0 and after[0]["epoch"] == 1
+    rest = Counter(i for run in after for b in run["batches"] for i in b)
+    assert set(rest) == set(whole) - set(before), "every record not yet consumed, and only those"
+    assert sum(rest.values()) - len(rest) < 2 * 8, "duplicates: at most the top up evening out the ranks"
+    ranks = [{i for b in run["batches"] for i in b} for run in after]
+    assert len(ranks[0] & ranks[1]) <= 8 < min(map(len, ranks)), "the ranks split the rest, but for the top up"
