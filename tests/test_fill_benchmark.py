@@ -40,52 +40,53 @@ def test_fill_benchmark_quick(tmp_path):
     assert docs.read_text().count(fill.BEGIN) == 1
 
 
+_SPLIT_PROBE = """
+import json, os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import fill
+
+def burn(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+gone = threading.Thread(target=burn, args=(0.3,))  # exits before the split is read: "other"
+gone.start()
+gone.join()
+pause, stop = threading.Event(), threading.Event()
+
+def spin():
+    while not pause.is_set():
+        burn(0.05)
+    stop.wait()  # alive, idle: still a live thread while the split is read
+
+busy = threading.Thread(target=spin)
+busy.start()
+burn(0.2)
+time.sleep(0.6)
+pause.set()
+time.sleep(0.1)
+split, total = fill._thread_cpu_s([os.getpid()]), fill._cpu_s([os.getpid()])
+stop.set()
+busy.join()
+print(json.dumps([split, total]))
+"""
+
+
 def test_thread_split_adds_up():
-    """The CPU split puts a busy thread in ``loop``, this thread in ``main``, and the rest (exited
-    threads included) in ``other``, adding up to the process's CPU."""
-    import threading
-    import time
+    """The CPU split puts a busy thread in ``loop``, the main thread in ``main``, and the rest (exited
+    threads included) in ``other``, adding up to the process's CPU. In a process of its own: this
+    one holds other tests' threads."""
+    import subprocess
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import fill
-    finally:
-        sys.path.pop(0)
-
-    def burn(seconds: float) -> None:
-        end = time.thread_time() + seconds
-        while time.thread_time() < end:
-            pass
-
-    before = fill._thread_cpu_s([os.getpid()])
-    gone = threading.Thread(target=burn, args=(0.3,))  # exits before the split is read: "other"
-    gone.start()
-    gone.join()
-    pause, stop = threading.Event(), threading.Event()
-
-    def spin() -> None:
-        while not pause.is_set():
-            burn(0.05)
-        stop.wait()  # alive, idle: still a live thread while the split is read
-
-    busy = threading.Thread(target=spin)
-    busy.start()
-    try:
-        burn(0.2)
-        time.sleep(0.6)
-        pause.set()
-        time.sleep(0.1)
-        after = fill._thread_cpu_s([os.getpid()])
-        total = fill._cpu_s([os.getpid()])
-    finally:
-        pause.set()
-        stop.set()
-        busy.join()
-    assert -0.02 <= total - sum(after.values()) <= 0.03, (after, total)  # only this thread ran between
-    delta = {k: after[k] - before[k] for k in after}
-    assert delta["loop"] >= 0.4, delta  # the busy thread
-    assert delta["main"] >= 0.15, delta
-    assert delta["other"] >= 0.25, delta  # the thread that exited
+    probe = subprocess.run([sys.executable, "-c", _SPLIT_PROBE, os.path.join(ROOT, "benchmarks")],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    split, total = json.loads(probe.stdout)
+    assert -0.02 <= total - sum(split.values()) <= 0.03, (split, total)  # only the main thread ran between
+    assert split["loop"] >= 0.4, split  # the busy thread
+    assert split["main"] >= 0.15, split  # the burn, plus imports
+    assert split["other"] >= 0.25, split  # the thread that exited
 
 
 def test_serial_rate_benchmark_quick():
