@@ -129,6 +129,25 @@ def write_shards(cache: Cache, shard_records: list[int], first_id: int = 0) -> l
     return ids
 
 
+def leases_after_teardown(cache: Cache, timeout: float = 10.0) -> int:
+    """The cache's leases once a dropped TensorFlow iterator's teardown had time to end its epoch.
+
+    TensorFlow runs a dataset's finalizer (growcache's leave) when the last reference to the C++
+    iterator goes; after an error, a background thread of the pipeline may hold that reference
+    for a moment after the Python iterator is gone, so the epoch ends just after, not at once.
+    """
+    import gc
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        leases = cache.stats().leases
+        if leases == 0 or time.monotonic() > deadline:
+            return leases
+        time.sleep(0.05)
+
+
 def grow_while_down(path, first: set[str]) -> tuple[Cache, set[str]]:
     """A killed run's downtime: its cache at ``path`` grows past a budget of 1.5x what it holds
     and evicts, while the killed run's pin keeps the shards (all among ``first``, the epoch's

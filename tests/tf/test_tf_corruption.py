@@ -3,13 +3,12 @@ the length, the length's CRC, the payload's CRC, and a length rewritten with a v
 
 from __future__ import annotations
 
-import gc
 import os
 
 import numpy as np
 import pytest
 
-from conftest import ID_SCHEMA, id_sample, write_shards
+from conftest import ID_SCHEMA, id_sample, leases_after_teardown, write_shards
 
 tf = pytest.importorskip("tensorflow")
 
@@ -75,8 +74,7 @@ def test_on_corrupt_raise_names_the_shard_and_the_damaged_record(id_cache, how):
         _read(make_tf_dataset(id_cache, 2, seed=0))
     assert info.value.path == bad and info.value.offset == BAD_RECORD * FRAME, str(info.value)
     del info  # its traceback holds the failed iterator, whose deletion ends the epoch
-    gc.collect()
-    assert id_cache.stats().leases == 0
+    assert leases_after_teardown(id_cache) == 0
 
 
 @pytest.mark.parametrize("how", list(DAMAGE))

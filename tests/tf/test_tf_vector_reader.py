@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ID_SCHEMA, id_sample, write_shards
+from conftest import ID_SCHEMA, id_sample, leases_after_teardown, write_shards
 
 tf = pytest.importorskip("tensorflow")
 
@@ -129,8 +129,7 @@ def test_a_corrupt_record_is_reported_where_the_reader_finds_it(id_cache, on_cor
         assert (note.path, note.offset, note.records) == (bad.path, 2 * frame, 4)
         for record_id, record in got.items():
             assert record["x"] == id_sample(record_id)["x"].tobytes()
-    gc.collect()
-    assert id_cache.stats().leases == 0
+    assert leases_after_teardown(id_cache) == 0
 
 
 def test_without_verify_nothing_checks_the_payload(id_cache):
