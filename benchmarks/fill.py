@@ -12,9 +12,9 @@ Contenders, each on the same store and windows:
   (its figures come from the pool's own counters and the workers' ``/proc`` CPU times);
 * ``plain_32_threads``: one process, 32 threads each calling ``fs.cat_file`` on random windows:
   the reference client the issue's targets compare against;
-* ``floor_fetch_write_c64``: no growcache code, only what a sampler cannot skip: 64 reads in flight on
-  one event loop through ``_cat_file``, and a writer thread that frames each window as a TFRecord
-  record with its CRC32C, appends it to 64 MiB files, fsyncs, renames and deletes the oldest past
+* ``floor_fetch_write_c64``: none of growcache's sampler, only what a sampler cannot skip: 64 reads
+  in flight on one event loop through ``_cat_file``, and a writer thread that frames each window as
+  a TFRecord record with its CRC32C (growcache's framing functions), appends it to 64 MiB files, fsyncs, renames and deletes the oldest past
   2 GiB. Its CPU per GB is the floor of "fetch and shard writing" with these libraries on this host;
 * ``ideal``: in-flight x window size / latency, for 32 in flight.
 
@@ -146,14 +146,18 @@ def make_arrays(root: str, count: int, nbytes: int) -> list[str]:
 
 
 # -- contenders -----------------------------------------------------------------------------------
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds from a ``/proc/.../stat`` file."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_s(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += _stat_cpu_s(f"/proc/{pid}/stat")
         except (OSError, IndexError, ValueError):
             pass
     return total
@@ -162,16 +166,12 @@ def _cpu_s(pids: list[int]) -> float:
 def _thread_cpu_s(pids: list[int]) -> dict[str, float]:
     """CPU seconds of the sampler processes split by thread: ``main`` (the sample loop: framing, CRC and
     writing each record), ``loop`` (the busiest other live thread: the event loop that fetches) and
-    ``other`` (the rest, threads that already exited included: publishing, fsync, eviction, stats)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    ``other`` (the rest, threads that already exited included: publishing, fsync, eviction, stats).
+    The three add up to :func:`_cpu_s`."""
     split = {"main": 0.0, "loop": 0.0, "other": _cpu_s(pids)}
     for pid in pids:
-        threads = {}
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                threads[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+            threads = {int(tid): _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task")}
         except (OSError, IndexError, ValueError):
             continue
         main = threads.pop(pid, 0.0)
@@ -229,12 +229,12 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
         while pool.stats().records_written < max(2, concurrency // 2) and time.monotonic() - started < 60:
             look()
             time.sleep(0.01)
-        t0, s0, cpu0, split0 = time.monotonic(), pool.stats(), _cpu_s(pool.pids), _thread_cpu_s(pool.pids)
+        t0, s0, split0 = time.monotonic(), pool.stats(), _thread_cpu_s(pool.pids)
         end = t0 + seconds
         while time.monotonic() < end:
             look()
             time.sleep(0.02)
-        t1, s1, cpu1, split1 = time.monotonic(), pool.stats(), _cpu_s(pool.pids), _thread_cpu_s(pool.pids)
+        t1, s1, split1 = time.monotonic(), pool.stats(), _thread_cpu_s(pool.pids)
         while first["batch"] is None and time.monotonic() - started < 30:
             look()
             time.sleep(0.02)
@@ -246,7 +246,7 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
     samples = s1.records_written - s0.records_written
     payload = samples * sample_bytes
     return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": samples / (t1 - t0),
-            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
+            "cpu_s_per_GB": (sum(split1.values()) - sum(split0.values())) / (payload / 1e9) if payload else None,
             "cpu_split_s_per_GB": {k: (split1[k] - split0[k]) / (payload / 1e9) for k in split0} if payload else None,
             "peak_rss_MB": max(final.worker_peak_rss) / 2**20, "first_shard_s": first["shard"],
             "first_batch_s": first["batch"],
@@ -293,21 +293,18 @@ def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tm
     """The least work a sampler must do, with none of growcache's code: fetch and write, nothing else.
 
     One event loop keeps ``concurrency`` reads in flight through the filesystem's ``_cat_file`` (as
-    a sampler's engine does); one writer thread frames each window as a TFRecord record (length,
-    masked CRC32C of the length, payload, masked CRC32C of the payload), appends it to a 64 MiB file
+    a sampler's engine does); one writer thread frames each window as a TFRecord record (growcache's
+    ``frame_header``/``frame_footer``, the few lines of it a sampler cannot skip), appends it to a 64 MiB file
     with ``writev``, fsyncs and renames each full file, and deletes the oldest past 2 GiB (as
     eviction does). Its CPU per GB is the floor of "fetch and shard writing" with these libraries on
     this host: the sampler's figure is read against it.
     """
     import asyncio
     import queue
-    import struct
 
-    import crc32c
     import fsspec
 
-    def masked(crc: int) -> int:
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    from growcache.records import crc32c, frame_footer, frame_header
 
     folder = tempfile.mkdtemp(dir=tmp)
     done: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -319,9 +316,7 @@ def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tm
             if fd is None:
                 path = os.path.join(folder, f"tmp-{n}")
                 fd, size, n = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 0, n + 1
-            length = struct.pack("<Q", len(data))
-            os.writev(fd, [length, struct.pack("<I", masked(crc32c.crc32c(length))), data,
-                           struct.pack("<I", masked(crc32c.crc32c(data)))])
+            os.writev(fd, [frame_header(len(data)), data, frame_footer(crc32c(data))])
             size += len(data) + 16
             written[0] += 1
             if size >= shard_bytes:
