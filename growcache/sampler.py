@@ -85,8 +85,8 @@ from .manifest import _unlink_quiet
 from .records import FOOTER_BYTES, HEADER_BYTES
 from .shard_source import FetchJob, ShardSource
 from .sources import Source, as_source
-from .shard import SHARD_SUFFIX, scan_shards
-from .writer import remove_abandoned_temporaries, temp_owner
+from .shard import scan_shards
+from .writer import remove_abandoned_temporaries, temp_owner, temp_token
 
 read_sampler_stats = _sampler_stats.read_sampler_stats
 
@@ -777,8 +777,10 @@ class SamplerPool:
         left = {name for name in scan_shards(self.cache.shards_dir).temporaries
                 if (temp_owner(name) or (None,))[0] == pid}
 
+        tokens = {temp_token(name) for name in left}
+
         def renamed(token: int) -> bool:
-            return not any(name.endswith(f"-{token:012x}{SHARD_SUFFIX}") for name in left)
+            return token not in tokens
 
         returned = self._indices.refund(index, renamed)
         if returned:
@@ -1246,15 +1248,6 @@ def _tune_malloc(keep: int) -> None:
     mallopt(_M_TRIM_THRESHOLD, min(keep, 2**31 - 1))
 
 
-def _temp_token(path: str) -> int:
-    """The random token that ends a temporary shard's name (see :func:`~growcache.writer.temp_shard_name`)."""
-    stem = os.path.basename(path)[:-len(SHARD_SUFFIX)]
-    try:
-        return int(stem.rsplit("-", 1)[1], 16)
-    except (IndexError, ValueError):
-        return 0
-
-
 class _SampleLoop:
     """A worker's loop over samples: claim indices, draw them (up to ``concurrency`` in flight),
     write them into the shard in progress as they finish, publish by size and age."""
@@ -1346,7 +1339,7 @@ class _SampleLoop:
         if self.writer is None:
             self.writer = self.cache.writer(should_stop=self.stopping)
             self.writer.reserve(cfg.shard_size)
-            self.indices.opened(self.area, _temp_token(self.writer.path))
+            self.indices.opened(self.area, temp_token(os.path.basename(self.writer.path)) or 0)
             self.opened = time.monotonic()
         self.writer.write(sample)  # validates against the schema
         self.indices.written(self.area, slot, index)

@@ -66,6 +66,20 @@ def temp_owner(name: str) -> tuple[int, int | None, str | None] | None:
     return None if owner is None else owner[:3]
 
 
+def temp_token(name: str) -> int | None:
+    """The random token of a temporary's name (12 hex digits; see :func:`temp_shard_name`), or ``None``
+    if ``name`` is not a temporary with one."""
+    if not name.startswith(TMP_PREFIX) or len(name) > 255:
+        return None
+    parts = name[len(TMP_PREFIX):].removesuffix(SHARD_SUFFIX).split("-")
+    # pid-start-token (before the host tag), pid-start-host-token, pid-start-host-token-expiry
+    field = parts[2] if len(parts) == 3 else parts[3] if len(parts) in (4, 5) else ""
+    try:
+        return int(field, 16) if len(field) == 12 else None
+    except ValueError:
+        return None
+
+
 def _temp_fields(name: str) -> tuple[int, int | None, str | None, float | None] | None:
     """:func:`temp_owner` and the expiry the name states (``None``: older names, or a bad value)."""
     if not name.startswith(TMP_PREFIX) or len(name) > 255:
