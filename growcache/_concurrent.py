@@ -345,15 +345,32 @@ class BatchEngine(Engine):
         self._todo.put(None)
 
 
+def _ours(fn: Any) -> bool:
+    return getattr(fn, "__module__", "").startswith("growcache.")
+
+
 def _defines(source: Any, name: str) -> bool:
-    """True if ``source`` has a method ``name`` (the :class:`~growcache.sources.Source` base defines none)."""
-    return callable(getattr(type(source), name, None))
+    """True if ``source``'s class has a method ``name`` of the user's own (not one a growcache base
+    class defines: a store source's ``sample_async`` draws the store's sample, not an override's)."""
+    fn = getattr(type(source), name, None)
+    return callable(fn) and not _ours(fn)
+
+
+def _store_source(source: Any) -> bool:
+    """True for one of growcache's store sources that draws its samples with growcache's own methods.
+
+    A subclass that replaces :meth:`sample` or ``sample_async`` is a user source: its
+    ``concurrent_mode`` would bypass the override on an async store and call it from threads on
+    a sync one, so the user-source rules decide instead.
+    """
+    return (getattr(source, "concurrent_mode", None) is not None
+            and all(_ours(getattr(type(source), name, None)) for name in ("sample", "sample_async")))
 
 
 def runs_concurrently(source: Any) -> bool:
     """True if ``source`` declared how to run concurrently (or is a store source, which always can)."""
-    return (getattr(source, "concurrent_mode", None) is not None or _defines(source, "sample_async")
-            or _defines(source, "sample_many") or bool(getattr(source, "thread_safe", False)))
+    return (_store_source(source) or _defines(source, "sample_async") or _defines(source, "sample_many")
+            or bool(getattr(source, "thread_safe", False)))
 
 
 def make_engine(source: Any, concurrency: int) -> Engine | None:
@@ -364,9 +381,8 @@ def make_engine(source: Any, concurrency: int) -> Engine | None:
     """
     if concurrency <= 1:
         return None
-    mode: Callable[[], str] | None = getattr(source, "concurrent_mode", None)
-    if mode is not None:
-        how = mode()
+    if _store_source(source):
+        how = source.concurrent_mode()
         if how == "async":
             return AsyncEngine(source, concurrency)
         if how == "threads":

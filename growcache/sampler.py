@@ -389,7 +389,9 @@ class SamplerPool:
     ``def sample_many(self, rngs)`` (one call with up to ``concurrency`` RNGs, one sample
     back per RNG, in order); ``thread_safe = True`` (``FunctionSource(fn, thread_safe=True)``:
     threads call it at once). Any other source is called one sample at a time, and the log
-    says once how to enable concurrency. Each sample's RNG comes from (seed, run, a global
+    says once how to enable concurrency. A subclass of a store source that overrides ``sample``
+    is a user source too: it needs its own ``sample_async`` or ``thread_safe = True``. Each
+    sample's RNG comes from (seed, run, a global
     sample index the workers claim from the pool), see :func:`sample_rng`; records are
     written in the order they finish. Each store request is retried under the source's
     :class:`~growcache.sources.RetryPolicy`; throttling (HTTP 429/503, SlowDown) and dropped
@@ -1002,7 +1004,8 @@ def _hint_serial_once(source: Source, concurrency: int) -> None:
     logger.info(
         "%s draws one sample at a time although concurrency=%d: it did not declare itself safe to call "
         "concurrently. Wrap it as FunctionSource(fn, thread_safe=True) if it is, or give the source "
-        "'async def sample_async(rng)' or 'sample_many(rngs)' (see SamplerPool in docs/api.md).",
+        "'async def sample_async(rng)' or 'sample_many(rngs)', or set thread_safe = True on its class "
+        "(see SamplerPool in docs/api.md).",
         source.redact(repr(source)), concurrency)
 
 

@@ -235,6 +235,37 @@ def test_a_user_source_runs_concurrently_only_when_declared(tmp_path, thread_saf
         assert most == 1, "a source that did not declare itself thread-safe is never called concurrently"
 
 
+class MarkedWindows(NpyWindowSource):
+    """A user's subclass of a store source that overrides ``sample`` (and declares nothing): it
+    marks each window with how many of its calls ran at once (most seen, this process)."""
+
+    def sample(self, rng):
+        with _busy_lock:
+            _busy[0] += 1
+            _busy[1] = max(_busy[1], _busy[0])
+        try:
+            time.sleep(0.002)
+            x = super().sample(rng)["x"].copy()
+            x[0, 0] = -_busy[1]
+            return {"x": x}
+        finally:
+            with _busy_lock:
+                _busy[0] -= 1
+
+
+@pytest.mark.parametrize("store", ["file", "http"])
+def test_a_subclass_that_overrides_sample_is_a_user_source(tmp_path, store, request):
+    # On an async store the store's own concurrent path (sample_async) would bypass the override;
+    # on local files its threads would call an override that never said it was thread-safe.
+    put = request.getfixturevalue("http").put if store == "http" else None
+    urls = _arrays(put) if put else [str(p) for p in sorted((_local_arrays(tmp_path)).glob("*.npy"))]
+    source = MarkedWindows(urls, WINDOW, retry=QUICK)
+    cache, _ = _sample_all(tmp_path, "c", source, workers=1, concurrency=16, count=120)
+    got = [np.frombuffer(r, dtype=np.int64).reshape(WINDOW, 4) for r in _records(cache)]
+    assert len(got) == 120 and all(x[0, 0] == -1 for x in got), \
+        f"the override ran for every sample, one at a time: {sorted({int(x[0, 0]) for x in got})}"
+
+
 class AsyncUserSource(Source):
     """A user source with a natively concurrent method (module level, so that it pickles)."""
 
