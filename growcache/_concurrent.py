@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import itertools
 import logging
 import queue
 import threading
@@ -68,6 +69,7 @@ class Flow:
         self._last_cut = 0.0
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._holders: set[int] = set()  # numbers of the tickets that hold bytes
         self._warned_throttle = False
 
     # -- in-flight limit -----------------------------------------------------------------------
@@ -116,26 +118,34 @@ class Flow:
         return float(p50), float(p95), float(p99)
 
     # -- byte budget ---------------------------------------------------------------------------
-    def _fits(self, nbytes: int) -> bool:
-        # One sample larger than the whole budget is still fetched: alone.
-        return self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
+    def _fits(self, nbytes: int, holder: int | None = None) -> bool:
+        # One sample larger than the whole budget is still fetched: alone. A sample that holds
+        # bytes and needs more (a source that reads several windows per sample) would wait on
+        # samples that wait on it: the oldest such sample goes over the budget, so one always
+        # finishes, and the budget is exceeded by at most that one sample's later reads.
+        return (self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
+                or (holder in self._holders and holder == min(self._holders)))
 
-    def _take(self, nbytes: int) -> None:
+    def _take(self, nbytes: int, holder: int | None = None) -> None:
         self.bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if holder is not None:
+            self._holders.add(holder)
 
-    def acquire(self, nbytes: int) -> None:
+    def acquire(self, nbytes: int, holder: int | None = None) -> None:
+        """Wait until ``nbytes`` fit in the budget, then hold them. ``holder``: the number of the
+        :class:`Ticket` that claims them, when it may already hold bytes."""
         with self._cond:
-            while not self._fits(nbytes):
+            while not self._fits(nbytes, holder):
                 self._cond.wait(0.5)
-            self._take(nbytes)
+            self._take(nbytes, holder)
 
-    async def acquire_async(self, nbytes: int) -> None:
+    async def acquire_async(self, nbytes: int, holder: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         while True:
             with self._cond:
-                if self._fits(nbytes):
-                    self._take(nbytes)
+                if self._fits(nbytes, holder):
+                    self._take(nbytes, holder)
                     return
                 waiter = loop.create_future()
                 self._waiters.append((loop, waiter))
@@ -143,12 +153,22 @@ class Flow:
                 await asyncio.wait_for(asyncio.shield(waiter), 0.5)
             except asyncio.TimeoutError:
                 pass
+            finally:
+                # A waiter not woken (timed out or cancelled) leaves the list now, not at the next
+                # release: while publishing blocks for minutes, they would pile up every 0.5 s.
+                if not waiter.done():
+                    with self._cond:
+                        try:
+                            self._waiters.remove((loop, waiter))
+                        except ValueError:
+                            pass
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, holder: int | None = None) -> None:
         if not nbytes:
             return
         with self._cond:
             self.bytes -= nbytes
+            self._holders.discard(holder)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
         for loop, waiter in waiters:
@@ -160,24 +180,28 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+_ticket_numbers = itertools.count()
+
+
 @dataclass
 class Ticket:
     """One sample's claim on its process's :class:`Flow`: the bytes it holds until written."""
 
     flow: Flow
     nbytes: int = 0
+    number: int = field(default_factory=lambda: next(_ticket_numbers))  # older tickets have smaller ones
 
     def acquire(self, nbytes: int) -> None:
-        self.flow.acquire(nbytes)
+        self.flow.acquire(nbytes, self.number)
         self.nbytes += nbytes
 
     async def acquire_async(self, nbytes: int) -> None:
-        await self.flow.acquire_async(nbytes)
+        await self.flow.acquire_async(nbytes, self.number)
         self.nbytes += nbytes
 
     def release(self) -> None:
         nbytes, self.nbytes = self.nbytes, 0
-        self.flow.release(nbytes)
+        self.flow.release(nbytes, self.number)
 
 
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("growcache_ticket", default=None)

@@ -439,7 +439,10 @@ class SamplerPool:
         max_bytes_in_flight: bytes each worker may hold in samples being fetched or waiting
             for the shard writer (int or ``"64MiB"``); a sample larger than this is fetched
             alone. With large samples it, not ``concurrency``, bounds the samples in flight:
-            64 of 1 MiB, 16 of 4 MiB. Default: ``"64MiB"``.
+            64 of 1 MiB, 16 of 4 MiB. A source that reads several times per sample (a user
+            source drawing two windows) holds its first reads while it waits: the oldest such
+            sample goes over the bound, by its later reads, so that one always finishes.
+            Default: ``"64MiB"``.
 
     Raises:
         CacheFullError: ``shard_size`` is larger than the cache's capacity.

@@ -308,6 +308,62 @@ def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_pa
     assert http.peak_bytes_in_flight <= bound, f"the store saw {http.peak_bytes_in_flight} bytes in flight"
 
 
+class PairOfWindows:
+    """A thread-safe user source drawing two windows of a store source per sample (module level,
+    so that it pickles): each sample holds its first window's bytes while it claims the second."""
+
+    def __init__(self, urls):
+        self.windows = NpyWindowSource(urls, WINDOW, retry=QUICK)
+
+    def __call__(self, rng):
+        return {"x": self.windows.sample(rng)["x"], "y": self.windows.sample(rng)["x"]}
+
+
+def test_samples_of_several_reads_never_deadlock_on_the_byte_budget(tmp_path):
+    # A full budget of first windows, every sample waiting for room for its second, once hung the
+    # pool for good: the oldest sample that holds bytes now goes over, so one always finishes.
+    store = _local_arrays(tmp_path)
+    source = FunctionSource(PairOfWindows(sorted(str(p) for p in store.glob("*.npy"))), thread_safe=True)
+    window = WINDOW * 4 * 8
+    cache = Cache(tmp_path / "pairs", capacity="64MB", schema=Schema({"x": ("int64", (WINDOW, 4)),
+                                                                       "y": ("int64", (WINDOW, 4))}))
+    with SamplerPool(cache, source, workers=1, concurrency=8, max_bytes_in_flight=4 * window, stop_after=200,
+                     seed=3, shard_size="4KB", max_shard_age=0.5) as pool:
+        stats = pool.join(timeout=60)
+    assert stats.records == 200
+    assert stats.peak_bytes_in_flight <= 5 * window, "over the budget by at most one sample's second read"
+    want = sorted(b"".join(s[k].tobytes() for k in "xy") for s in (source(sample_rng(3, i, 0)) for i in range(200)))
+    codec = ExampleCodec(cache.schema)
+    got = sorted(b"".join(d[k].tobytes() for k in "xy")
+                 for d in (codec.decode(r) for s in cache.list_shards() for _, r in iter_records(s.path)))
+    assert got == want
+
+
+def test_byte_budget_waiters_do_not_pile_up_while_the_budget_stays_full():
+    # Publishing can block a sampler's writer for minutes while leases pin the cache; each
+    # waiting sample once added a waiter every 0.5 s until the next release.
+    import asyncio
+
+    from growcache._concurrent import Flow
+
+    flow = Flow(16, 100)
+    flow.acquire(100)
+
+    async def main():
+        tasks = [asyncio.create_task(flow.acquire_async(10)) for _ in range(16)]
+        await asyncio.sleep(1.6)
+        waiters = len(flow._waiters)
+        deadline = time.monotonic() + 10
+        while not all(t.done() for t in tasks) and time.monotonic() < deadline:
+            flow.release(min(10, flow.bytes))  # a sample written: room for the next
+            await asyncio.sleep(0.01)
+        return waiters, sum(t.done() for t in tasks)
+
+    waiters, done = asyncio.run(main())
+    assert waiters <= 16, f"{waiters} waiters for 16 waiting samples"
+    assert done == 16, "every waiting sample got its bytes once room was freed"
+
+
 def test_growcache_sample_concurrency_flag(tmp_path):
     from growcache.cli import main
 
