@@ -569,6 +569,9 @@ def _parse_json(raw: bytes, label: str) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError as exc:
         raise CacheFormatError(f"{label} is not valid JSON ({exc}); the file is damaged") from None
+    except RecursionError:  # arrays nested thousands deep: no file growcache writes
+        raise CacheFormatError(f"{label} nests its JSON too deep for any file growcache writes; the file is "
+                               "damaged") from None
     if not isinstance(data, dict):
         raise CacheFormatError(f"{label} does not hold a JSON object; the file is damaged")
     return data

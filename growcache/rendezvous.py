@@ -231,7 +231,7 @@ def _parsed_note(note: str) -> dict[str, Any]:
     cache directory too): :data:`_DAMAGED` unless every field has its type."""
     try:
         parsed = json.loads(note)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return _DAMAGED
     if not isinstance(parsed, dict) or any(
             not isinstance(parsed.get(k, ...), t) or isinstance(parsed.get(k), bool) for k, t in _NOTE_TYPES.items()):

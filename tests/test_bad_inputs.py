@@ -317,6 +317,12 @@ def _damage_schema(cache: Cache) -> str:
     return "'schema'"
 
 
+def _nest_metadata(cache: Cache) -> str:
+    with open(os.path.join(cache.path, "growcache.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)  # 200 KB: json.loads raises RecursionError, not ValueError
+    return "nests its JSON too deep"
+
+
 def _link_leases(cache: Cache) -> str:
     leases = os.path.join(cache.path, "leases")
     os.rename(leases, leases + "-moved")
@@ -324,7 +330,7 @@ def _link_leases(cache: Cache) -> str:
     return "symbolic link"
 
 
-@pytest.mark.parametrize("damage", [_damage_capacity, _damage_schema, _link_leases],
+@pytest.mark.parametrize("damage", [_damage_capacity, _damage_schema, _nest_metadata, _link_leases],
                          ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("command", ["status", "verify", "prune"])
 def test_status_verify_and_prune_exit_1_on_a_damaged_cache(tmp_path, command, damage):

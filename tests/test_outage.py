@@ -126,6 +126,8 @@ def test_a_damaged_or_linked_stats_file_is_passed_over(tmp_path):
     for name, data in bad:
         with open(os.path.join(folder, name), "w") as f:
             f.write(json.dumps(data))  # NaN is written as NaN, which json reads back
+    with open(os.path.join(folder, "h-7.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)  # RecursionError in json.loads, not ValueError
     secret = tmp_path / "elsewhere.json"
     secret.write_text(json.dumps(good))
     os.symlink(secret, os.path.join(folder, "h-6.json"))

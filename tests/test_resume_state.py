@@ -273,7 +273,8 @@ def test_delivered_records_replays_the_readers_shuffle_and_last_window(id_cache,
         assert set(ids[:skip]) | {ids[p] for p in positions} == {i for b in batches[:d] for i in b}, d
 
 
-@pytest.mark.parametrize("damaged", ["{", "[]", "null", json.dumps({"epoch": "1"}), json.dumps({"epoch": True})])
+@pytest.mark.parametrize("damaged", ["{", "[]", "null", json.dumps({"epoch": "1"}), json.dumps({"epoch": True}),
+                                     "[" * 100_000 + "]" * 100_000])
 def test_a_damaged_resume_note_of_another_rank_is_a_disagreement_not_a_traceback(damaged):
     """Another rank's note comes through an epoch file in the cache directory: checked field by field."""
     from types import SimpleNamespace
