@@ -256,8 +256,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return
         if not self.model.built:
             raise ValueError(f"to restore from {self.backup_dir}, build the model before fit() (call it on a batch)")
-        with open(path) as f:
-            metadata = json.load(f)
+        try:
+            with open(path) as f:
+                metadata = json.load(f)
+        except (ValueError, RecursionError):  # damaged on disk: the same fix as a wrong field
+            metadata = None
         if not isinstance(metadata, dict) or metadata.get("weights") not in self._SLOTS \
                 or not isinstance(metadata.get("epoch"), int) or "growcache" not in metadata:
             raise ValueError(f"{path} is not a backup of growcache's BackupAndRestore: delete {self.backup_dir} to "

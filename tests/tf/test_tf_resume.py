@@ -278,6 +278,17 @@ def test_a_kill_while_saving_restores_the_previous_backup_whole(grown, tmp_path)
     assert ds.state_dict()["progress"] == 3  # the position saved with those weights
 
 
+@pytest.mark.parametrize("damage", ["{\"epoch\": 1", "[" * 100_000 + "]" * 100_000, "[]"])
+def test_a_damaged_backup_is_a_clear_error(grown, tmp_path, damage):
+    model, ds = _model([]), _dataset(grown, label="id")
+    backup = BackupAndRestore(tmp_path / "backup", ds)
+    os.makedirs(tmp_path / "backup", exist_ok=True)
+    (tmp_path / "backup" / BackupAndRestore._METADATA).write_text(damage)
+    backup.set_model(model)
+    with pytest.raises(ValueError, match="is not a backup of growcache's BackupAndRestore: delete"):
+        backup.on_train_begin()
+
+
 @pytest.mark.parametrize("field, value, match", [
     (None, {}, "'format'"),
     (None, {"epoch": -1}, "'epoch' is -1"),
