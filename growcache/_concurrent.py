@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextvars
 import itertools
 import logging
@@ -321,6 +322,50 @@ class ThreadEngine(Engine):
             self.done.put(task)
 
     def close(self) -> None:
+        for _ in self._threads:
+            self._todo.put(None)
+
+
+class DaemonThreads:
+    """A pool of daemon threads running calls, each with its :class:`concurrent.futures.Future`.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so a
+    read hung on a silent store (NFS, a stalled server) would hold a stopped sampler process until
+    the read returned; these threads are never joined. Threads start as calls come, up to ``workers``.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers, self._name = max(1, workers), name
+        self._todo: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple] | None] = \
+            queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._todo.put((future, fn, args))
+        if len(self._threads) < self._workers:
+            thread = threading.Thread(target=self._serve, name=f"{self._name}-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it from the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Take no more calls; the threads end once the calls they run return (never waited for)."""
         for _ in self._threads:
             self._todo.put(None)
 

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _proc
-from ._concurrent import _TICKET, DEFAULT_CONCURRENCY, DEFAULT_MAX_BYTES_IN_FLIGHT, Flow, Ticket
+from ._concurrent import _TICKET, DEFAULT_CONCURRENCY, DEFAULT_MAX_BYTES_IN_FLIGHT, DaemonThreads, Flow, Ticket
 from ._retry import RetryPolicy
 from .errors import CacheFormatError, CompressedFileError, CorruptShardError, GrowcacheError, SchemaError, SourceError
 from .example import ExampleCodec, RecordChecker
@@ -898,8 +898,7 @@ class _Parts:
         self._ticket = Ticket(self.flow)  # routes each request's timing and throttling to this flow
         fs = source.fs
         self._loop = fs.loop if getattr(fs, "async_impl", False) else None
-        self._threads = None if self._loop is not None else concurrent.futures.ThreadPoolExecutor(
-            concurrency, thread_name_prefix="growcache-part")
+        self._threads = None if self._loop is not None else DaemonThreads(concurrency, "growcache-part")
         self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = collections.deque()
         self._claimed = 0  # bytes taken from the flow's budget and not given back
 
@@ -957,7 +956,7 @@ class _Parts:
         for _, _, future in pending:
             future.cancel()
         if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads.shutdown()  # the parts not started were cancelled above
         if self._claimed:  # parts cancelled or left unread: the job's next read (same flow) has the budget
             self.flow.release(self._claimed)
             self._claimed = 0

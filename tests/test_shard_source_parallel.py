@@ -259,3 +259,37 @@ def test_the_shard_fetch_benchmark_runs(tmp_path):
     assert all(c["MBps"] > 0 and c["bytes"] >= 4 << 20 for c in contenders.values())
     assert contenders["serial"]["peak_bytes_in_flight"] == 0 < contenders["parts_8x1MiB"]["peak_bytes_in_flight"]
     assert "`parts_8x1MiB`" in shard_fetch.markdown(results)
+
+
+_HUNG_READ = """
+import sys, threading, time
+from growcache.shard_source import TFRecordShardSource, _Parts, _Stopping
+
+class HungStore(TFRecordShardSource):
+    def _fetch(self, path, start=None, end=None):
+        threading.Event().wait(60)  # a read that does not come back: a silent NFS server, a stalled mount
+
+path = sys.argv[1]
+stop_at = time.monotonic() + 0.5
+try:
+    for _ in _Parts(HungStore(path), path, 0, 8192, part=1024, concurrency=4, max_bytes=1 << 20,
+                    should_stop=lambda: time.monotonic() > stop_at):
+        pass
+except _Stopping:
+    print("stopped", flush=True)
+"""
+
+
+def test_a_stopped_worker_exits_without_waiting_for_a_hung_read_of_a_local_shard(tmp_path):
+    # Parts of a sync filesystem's shard are read in threads; the interpreter joined
+    # concurrent.futures' threads at exit, so a stopped worker stayed until the read returned.
+    import subprocess
+    import sys
+
+    shard = tmp_path / "shard-0"
+    shard.write_bytes(framed(_records(0))[:8192])
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _HUNG_READ, str(shard)], capture_output=True, text=True,
+                          timeout=40)
+    assert done.stdout.strip() == "stopped", done.stderr
+    assert time.monotonic() - began < 30, "the process waited for the hung reads to return"
