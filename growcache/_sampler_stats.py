@@ -1,7 +1,8 @@
 """The samplers' stats files: a running pool's figures, for ``growcache status`` and the epoch meters.
 
 Each running :class:`~growcache.SamplerPool` rewrites one small JSON file,
-``samplers/<host>-<pid>.json`` in the cache directory, about once a second (atomically,
+``samplers/<host>-<pid>-<n>.json`` in the cache directory (``n``: the pool's number in its
+process, as one process may run several pools on one cache), about once a second (atomically,
 not fsynced: the figures die with the pool) and removes it when it stops. The file's
 modification time is its heartbeat: a file older than :data:`FRESH_S` belongs to a pool
 that is gone, and is not shown.
@@ -30,7 +31,7 @@ logger = logging.getLogger("growcache.sampler")
 
 DIRECTORY = "samplers"
 FRESH_S = 15.0  # a pool rewrites its file each second; one this old is a dead pool's
-_NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}\.json$")
+_NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9]{1,10}\.json$")
 _MAX_INT = 2**62
 _INTS = ("pid", "workers", "concurrency", "records", "bytes", "shards", "requests_in_flight", "in_flight_limit",
          "throttle_events", "restarts")
@@ -40,14 +41,15 @@ _SUMMED = ("workers", "records", "bytes", "shards", "requests_in_flight", "in_fl
            "restarts", "mb_per_s")
 
 
-def stats_path(cache_path: str) -> str:
+def stats_path(cache_path: str, pool: int) -> str:
+    """The stats file of this process's pool number ``pool``."""
     host = re.sub(r"[^A-Za-z0-9_.]", "_", _proc.this_host())[:64] or "host"
-    return os.path.join(cache_path, DIRECTORY, f"{host}-{os.getpid()}.json")
+    return os.path.join(cache_path, DIRECTORY, f"{host}-{os.getpid()}-{pool}.json")
 
 
-def write(cache_path: str, figures: Mapping[str, Any]) -> None:
-    """Rewrite this process's stats file (best effort: a figure never stops sampling)."""
-    path = stats_path(cache_path)
+def write(cache_path: str, pool: int, figures: Mapping[str, Any]) -> None:
+    """Rewrite the stats file of this process's pool ``pool`` (best effort: a figure never stops sampling)."""
+    path = stats_path(cache_path, pool)
     folder = os.path.dirname(path)
     try:
         try:
@@ -61,9 +63,9 @@ def write(cache_path: str, figures: Mapping[str, Any]) -> None:
         logger.debug("cannot write the sampler stats file %s: %s", path, exc)
 
 
-def remove(cache_path: str) -> None:
+def remove(cache_path: str, pool: int) -> None:
     try:
-        _unlink_quiet(stats_path(cache_path))
+        _unlink_quiet(stats_path(cache_path, pool))
     except OSError:
         pass
 

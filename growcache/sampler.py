@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -537,6 +538,7 @@ class SamplerPool:
         self._ctx = mp.get_context("spawn")
         self._needs_main = _refers_to_main(pickled)
         self._counters: Any = None
+        self._stats_number = next(_pool_numbers)  # its stats file's, apart from other pools of this process
         self._control: Any = None
         self._index_lock: _ProcessLock | None = None
         self._indices: _Indices | None = None
@@ -676,7 +678,7 @@ class SamplerPool:
                     self._fail(index, report)
             self._reports.clear()
             self._remove_temporaries()
-            _sampler_stats.remove(self.cache.path)
+            _sampler_stats.remove(self.cache.path, self._stats_number)
             for index in range(self.workers):
                 self._close_reports(index)
             if self._index_lock is not None:
@@ -712,7 +714,7 @@ class SamplerPool:
     def _write_stats_file(self) -> None:
         """The figures for other processes (``growcache status``, epoch meters): see :mod:`._sampler_stats`."""
         s = self.stats()
-        _sampler_stats.write(self.cache.path, {
+        _sampler_stats.write(self.cache.path, self._stats_number, {
             "pid": os.getpid(), "host": _proc.this_host(), "workers": s.workers, "concurrency": self.concurrency,
             "records": s.records, "bytes": s.bytes, "shards": s.shards, "mb_per_s": max(0.0, s.mb_per_s),
             "requests_in_flight": max(0, s.requests_in_flight), "in_flight_limit": s.in_flight_limit,
@@ -997,6 +999,9 @@ def _refers_to_main(pickled: bytes) -> bool:
 
 _warned_main = False
 _hinted_serial = False
+
+
+_pool_numbers = itertools.count()
 
 
 def _hint_serial_once(source: Source, concurrency: int) -> None:

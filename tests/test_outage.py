@@ -113,6 +113,22 @@ def test_status_reads_the_samplers_stats_file(tmp_path, http, capsys):
     assert read_sampler_stats(cache) is None, "a stopped pool removes its file"
 
 
+def test_two_pools_of_one_process_keep_stats_files_of_their_own(tmp_path, http):
+    # Named by host and pid alone, they overwrote each other's figures, and the first to stop
+    # removed the file the other still ran under.
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, _source(http), workers=1, concurrency=2, seed=1, shard_size="4KB") as first:
+        with SamplerPool(cache, _source(http), workers=2, concurrency=2, seed=2, shard_size="4KB") as second:
+            second.wait_for(records=20, timeout=60)
+            _wait(lambda: (read_sampler_stats(cache) or {}).get("pools") == 2, what="both stats files")
+            assert read_sampler_stats(cache)["workers"] == 3
+        _wait(lambda: (read_sampler_stats(cache) or {}).get("pools") == 1, what="the second file gone")
+        assert read_sampler_stats(cache)["workers"] == 1 and first.stats().workers == 1
+        time.sleep(1.5)  # the first pool rewrites its own file: still there, still its own
+        assert read_sampler_stats(cache)["workers"] == 1
+    assert read_sampler_stats(cache) is None
+
+
 def test_a_damaged_or_linked_stats_file_is_passed_over(tmp_path):
     cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
     folder = os.path.join(cache.path, "samplers")
@@ -120,22 +136,22 @@ def test_a_damaged_or_linked_stats_file_is_passed_over(tmp_path):
     good = {"pid": 7, "host": "h", "workers": 1, "concurrency": 8, "records": 1, "bytes": 1, "shards": 1,
             "mb_per_s": 1.0, "requests_in_flight": 0, "in_flight_limit": 8, "latency_p50": 0.1,
             "latency_p95": 0.1, "latency_p99": 0.1, "throttle_events": 0, "restarts": 0, "failed": False}
-    bad = [("h-1.json", {**good, "records": -1}), ("h-2.json", {**good, "latency_p99": float("nan")}),
-           ("h-3.json", {**good, "failed": "no"}), ("h-4.json", {**good, "workers": True}),
-           ("h-5.json", [1, 2])]
+    bad = [("h-1-0.json", {**good, "records": -1}), ("h-2-0.json", {**good, "latency_p99": float("nan")}),
+           ("h-3-0.json", {**good, "failed": "no"}), ("h-4-0.json", {**good, "workers": True}),
+           ("h-5-0.json", [1, 2])]
     for name, data in bad:
         with open(os.path.join(folder, name), "w") as f:
             f.write(json.dumps(data))  # NaN is written as NaN, which json reads back
-    with open(os.path.join(folder, "h-7.json"), "w") as f:
+    with open(os.path.join(folder, "h-7-0.json"), "w") as f:
         f.write("[" * 100_000 + "]" * 100_000)  # RecursionError in json.loads, not ValueError
     secret = tmp_path / "elsewhere.json"
     secret.write_text(json.dumps(good))
-    os.symlink(secret, os.path.join(folder, "h-6.json"))
+    os.symlink(secret, os.path.join(folder, "h-6-0.json"))
     assert read_all(cache.path) == [], "no damaged file is shown, no link is followed"
-    with open(os.path.join(folder, "h-8.json"), "w") as f:
+    with open(os.path.join(folder, "h-8-0.json"), "w") as f:
         json.dump(good, f)
     assert [p["pid"] for p in read_all(cache.path)] == [7]
     old = time.time() - 60
-    os.utime(os.path.join(folder, "h-8.json"), (old, old))
+    os.utime(os.path.join(folder, "h-8-0.json"), (old, old))
     assert read_all(cache.path) == [], "a file its pool stopped rewriting belongs to a pool that is gone"
-    assert os.path.basename(stats_path(cache.path)).endswith(f"-{os.getpid()}.json")
+    assert os.path.basename(stats_path(cache.path, 3)).endswith(f"-{os.getpid()}-3.json")
