@@ -1113,7 +1113,8 @@ class _ProcessLock:
     ``/dev/shm`` forever (see the module docstring); a file without a name goes with the last
     descriptor of it. The kernel also drops the lock of a holder that dies, where a semaphore
     held by a killed worker would stay taken. Record locks belong to a process, not to a
-    thread: each process takes it from one thread only (the parent's monitor, a worker's main).
+    thread, so a thread lock orders the threads of one process (a worker's publishing thread
+    gives indices back while its main thread claims).
     """
 
     def __init__(self, fd: int | None = None) -> None:
@@ -1121,12 +1122,21 @@ class _ProcessLock:
             with tempfile.TemporaryFile() as f:  # O_TMPFILE where the kernel has it: never named
                 fd = os.dup(f.fileno())
         self._fd = fd
+        self._threads = threading.Lock()
 
     def __enter__(self) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        self._threads.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._threads.release()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only while spawning a worker: the descriptor itself is passed to the child.

@@ -480,6 +480,31 @@ def test_a_running_pool_creates_no_named_semaphore(cache):
         assert _semaphores_mapped(os.getpid()) - before == set()
 
 
+def test_the_pools_process_lock_also_orders_the_threads_of_one_process():
+    # fcntl record locks belong to a process: a worker's publishing thread and its main thread
+    # both took the lock at once, and updated the index ledger together.
+    import threading
+
+    from growcache.sampler import _ProcessLock
+
+    lock, count = _ProcessLock(), [0]
+
+    def add():
+        for _ in range(200):
+            with lock:
+                seen = count[0]
+                time.sleep(0)  # hand the GIL over mid-update
+                count[0] = seen + 1
+
+    threads = [threading.Thread(target=add) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lock.close()
+    assert count[0] == 800
+
+
 # -- workers start without re-running the user's script ------------------------------------
 _SCRIPT = """
 import sys, time
