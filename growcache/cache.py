@@ -425,6 +425,7 @@ class Cache:
         self._manifest.check_layout()
         tmp = os.path.join(self.shards_dir, temp_shard_name(os.urandom(6).hex()))
         moved = self._take_in(source, tmp, move)
+        _proc.fault_point("add_shard:taken")
         # A moved file keeps its old modification time: without a fresh heartbeat, a process of
         # another process table would judge the temporary dead at once and delete the user's file.
         _proc.keep_alive(tmp)
@@ -453,8 +454,8 @@ class Cache:
             raise
         finally:
             _proc.let_go(tmp)
-        if move and not moved:
-            _unlink_quiet(source)  # a copied file, or a link (never its target)
+        if move:
+            _unlink_quiet(source)  # the user's link to a moved file, a copied file, or a link (never its target)
         return info
 
     def _take_in(self, source: str, tmp: str, move: bool) -> bool:
@@ -466,15 +467,17 @@ class Cache:
         self._refuse_if_leased(source)
         info = os.lstat(source)
         if move and stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid():
+            # A second hard link, not a rename: until the shard is published the user's path still
+            # holds the file, so a crash (whose temporary the next open removes) loses nothing.
             try:
-                os.rename(source, tmp)
+                os.link(source, tmp, follow_symlinks=False)
             except OSError:
-                pass  # another filesystem: copy below
+                pass  # another filesystem, or one without hard links: copy below
             else:
                 moved = os.lstat(tmp)
                 if stat.S_ISREG(moved.st_mode) and (moved.st_dev, moved.st_ino) == (info.st_dev, info.st_ino):
                     return True
-                os.rename(tmp, source)  # it changed under us: give it back untouched, then refuse
+                _unlink_quiet(tmp)  # it changed under us: the user's path is untouched; refuse
                 raise RefusedFileError(f"{source} changed while it was being added; nothing was added. Try again.")
         # O_NONBLOCK: opening a FIFO must not hang; its type is checked right after.
         src = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -853,23 +856,16 @@ def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
 
 
 def _give_back(tmp: str, moved_from: str | None, times: os.stat_result) -> None:
-    """Undo a failed :meth:`Cache.add_shard`: a moved file goes back where it was (with its own
-    times), a copy is removed.
+    """Undo a failed :meth:`Cache.add_shard`: a moved file (still at the user's path too, as a second
+    hard link) gets its own times and mode back, and the cache's link or copy is removed.
 
     The caller's file is never lost to a file that was refused (corrupt, wrong schema, no room).
     """
-    if moved_from is None:
-        _unlink_quiet(tmp)
-        return
-    with contextlib.suppress(OSError):
-        os.utime(tmp, ns=(times.st_atime_ns, times.st_mtime_ns))
-    try:
-        os.replace(tmp, moved_from)
-    except FileNotFoundError:
-        pass  # it was published after all
-    except OSError as exc:
-        logger.error("could not move %s back to %s (%s). Move it out by hand before the cache is opened "
-                     "again, which removes temporaries of writers that are gone", tmp, moved_from, exc)
+    if moved_from is not None:
+        with contextlib.suppress(OSError):
+            os.utime(tmp, ns=(times.st_atime_ns, times.st_mtime_ns))
+            os.chmod(tmp, stat.S_IMODE(times.st_mode))
+    _unlink_quiet(tmp)
 
 
 def _file_kind(mode: int) -> str:

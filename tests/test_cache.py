@@ -450,6 +450,25 @@ def test_add_shard_with_move_keeps_a_refused_file_where_it_was(id_cache, tmp_pat
     assert info.records == 4 and not os.path.exists(source)
 
 
+def test_add_shard_with_move_killed_before_publishing_loses_nothing(id_cache, tmp_path):
+    # The file was renamed into the cache before its check; a process killed there left a dead
+    # writer's temporary, which the next open removed: the user's only copy was gone.
+    good = Cache(tmp_path / "good", schema=ID_SCHEMA)
+    write_shards(good, [4])
+    source = str(tmp_path / "mine.tfrecord")
+    os.replace(good.list_shards()[0].path, source)
+    before = _digest(source)
+    code = f"from growcache import Cache; Cache({id_cache.path!r}).add_shard({source!r}, move=True)"
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, GROWCACHE_FAULT="add_shard:taken"),
+                          timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    reopened = Cache(id_cache.path)  # removes the dead writer's temporaries
+    assert os.path.exists(source) and _digest(source) == before, "the user's file is still there, whole"
+    assert reopened.list_shards() == [] and [n for n in os.listdir(id_cache.shards_dir) if n.startswith(".tmp")] == []
+    info = reopened.add_shard(source, move=True)
+    assert info.records == 4 and not os.path.exists(source) and os.stat(info.path).st_nlink == 1
+
+
 def test_add_shard_larger_than_the_capacity_names_the_file_and_keeps_it(tmp_path):
     source_cache = Cache(tmp_path / "src", schema=ID_SCHEMA)
     write_shards(source_cache, [10])
