@@ -169,7 +169,7 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbea
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process: maybe the owner, maybe one that got its pid: /proc tells
     fields = _stat_fields(pid)
     if fields is None:  # no /proc: trust the signal probe
         return True

@@ -280,9 +280,10 @@ class Manifest:
                 if payload > MAX_RECORD_PAYLOAD_BYTES:  # readers allocate whole batches of records
                     raise ValueError(f"a record of {payload} bytes, more than the "
                                      f"{MAX_RECORD_PAYLOAD_BYTES >> 30} GiB a TFRecord Example can hold")
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, LookupError) as exc:  # LookupError: a feature of the wrong JSON shape
+                why = f"a feature is not [dtype, shape, ...]: {exc!r}" if isinstance(exc, LookupError) else exc
                 raise CacheFormatError(
-                    f"{path}: field 'schema' is damaged ({exc}). Restore the file from a backup: the schema is "
+                    f"{path}: field 'schema' is damaged ({why}). Restore the file from a backup: the schema is "
                     "stored nowhere else, so growcache cannot rebuild it."
                 ) from None
         return data

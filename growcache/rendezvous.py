@@ -59,8 +59,8 @@ logger = logging.getLogger(__name__)
 AGREE_TIMEOUT_S = 300.0
 EPOCHS_DIR = "epochs"
 _POLL_S = 0.02
-_EPOCH_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.json$")
-_ACK_FILE = re.compile(r"^([0-9a-f]{16})-(\d{10})\.ack-(\d+)$")
+_EPOCH_FILE = re.compile(r"^([0-9a-f]{16})-([0-9]{10})\.json$")
+_ACK_FILE = re.compile(r"^([0-9a-f]{16})-([0-9]{10})\.ack-([0-9]+)$")
 _EXIT_WAIT_S = 60.0
 _TEMP_MAX_AGE_S = 3600.0  # epoch files are written without the cache lock: only old temporaries are surely dead
 

@@ -17,7 +17,7 @@ __all__ = ["ShardInfo", "ShardListing", "ShardState", "scan_shards"]
 SHARD_SUFFIX = ".tfrecord"
 TMP_PREFIX = ".tmp-"
 # At most 18 digits per count: every value fits an int64 (plans are numpy int64 arrays).
-_SHARD_NAME = re.compile(r"^(\d{12})-(\d{1,18})r-(\d{1,18})b\.tfrecord$")
+_SHARD_NAME = re.compile(r"^([0-9]{12})-([0-9]{1,18})r-([0-9]{1,18})b\.tfrecord$")
 #: The smallest TFRecord frame: an 8-byte length, two 4-byte CRCs and no payload. A name that
 #: claims more records than its bytes can frame is no shard growcache wrote.
 MIN_RECORD_BYTES = 16

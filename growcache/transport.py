@@ -96,8 +96,8 @@ logger = logging.getLogger(__name__)
 SEGMENT_PREFIX = "growcache-"
 # v2: every process that maps the segment holds a shared flock on it. Sweepers of older versions
 # match only the legacy names, so they never judge a v2 segment by its age.
-_SEGMENT_NAME = re.compile(r"^growcache-v2-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
-_LEGACY_NAME = re.compile(r"^growcache-(\d+)-(\d+)-([0-9a-f]+)-[0-9a-f]+$")
+_SEGMENT_NAME = re.compile(r"^growcache-v2-([0-9]+)-([0-9]+)-([0-9a-f]+)-[0-9a-f]+$")
+_LEGACY_NAME = re.compile(r"^growcache-([0-9]+)-([0-9]+)-([0-9a-f]+)-[0-9a-f]+$")
 _SHM_DIR = "/dev/shm"
 
 

@@ -242,7 +242,8 @@ METADATA_DAMAGE = [
     ("capacity", 0), ("capacity", -4096), ("capacity", "1GB"), ("capacity", 2.5), ("capacity", True),
     ("capacity", None), ("capacity", _MISSING), ("format_version", "1"), ("format_version", 0),
     ("format_version", _MISSING), ("schema", 5), ("schema", {"x": "float32"}), ("schema", {"x": ["float32", "z"]}),
-    ("schema", {"x": ["complex256", [2]]}), ("created", "yesterday"),
+    ("schema", {"x": ["complex256", [2]]}), ("schema", {"x": {"dtype": "float32"}}), ("schema", {"x": []}),
+    ("schema", {"x": [["float32"]]}), ("created", "yesterday"),
 ]
 
 

@@ -172,6 +172,17 @@ def test_a_damaged_epoch_file_is_a_dead_first_rank_s(id_cache, monkeypatch):
 
 
 # -- the work any value causes is bounded ----------------------------------------------------------
+def test_a_name_in_other_digits_is_no_shard_and_blocks_no_publish(id_cache):
+    # re's \d and int() take any Unicode digit: one stray file named with Arabic-Indic digits for
+    # sequence 999999999999 made every publish fail with "spent every sequence number".
+    write_shards(id_cache, [3])
+    stray = os.path.join(id_cache.shards_dir, "\u0669" * 12 + "-3r-48b.tfrecord")
+    shutil.copy(id_cache.list_shards()[0].path, stray)
+    assert len(id_cache.list_shards()) == 1
+    write_shards(id_cache, [3], first_id=10)
+    assert [s.seq for s in id_cache.list_shards()] == [1, 2]
+
+
 def test_a_shard_name_claiming_more_records_than_its_bytes_frame_is_no_shard(id_cache):
     write_shards(id_cache, [3])
     shard = id_cache.list_shards()[0]

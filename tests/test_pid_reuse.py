@@ -104,3 +104,22 @@ def test_a_temporary_shard_whose_pid_was_reused_is_dead_and_removed(tmp_path, re
     with open(os.path.join(cache.shards_dir, name), "wb") as f:
         f.write(b"half a shard")
     assert remove_abandoned_temporaries(cache.shards_dir) == ([name] if reused else [])
+
+
+_PROBE_AS_ANOTHER_USER = """
+import os
+from growcache import _proc
+start = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)  # nobody: pid 1 is another user's process, so os.kill(1, 0) raises PermissionError
+print(_proc.is_alive(1, start), _proc.is_alive(1, start + 1))
+"""
+
+
+def test_an_owner_whose_pid_went_to_another_users_process_is_dead():
+    # os.kill(pid, 0) raises PermissionError for another user's process; it was taken as the
+    # owner alive, without the start-time check, so such a lease pinned its shards for good.
+    done = subprocess.run([sys.executable, "-c", _PROBE_AS_ANOTHER_USER], capture_output=True, text=True, timeout=60,
+                          cwd="/")
+    assert done.stdout.split() == ["True", "False"], done.stderr
