@@ -558,11 +558,7 @@ class Cache:
         ``before_publish(info)`` runs under the lock just before the rename: what it records
         about the shard (a shard source's progress) can never miss a published shard.
         """
-        if nbytes > self.capacity:
-            raise CacheFullError(
-                f"shard {tmp_path} has {nbytes} bytes, more than the cache's whole capacity of {self.capacity} "
-                "bytes. Raise the capacity or write smaller shards."
-            )
+        self._refuse_larger_than_capacity(tmp_path, nbytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = _WAIT_MIN
         warned = False
@@ -571,6 +567,10 @@ class Cache:
                 _proc.fault_point("publish:locked")
                 shards = self.list_shards()
                 victims = self._choose_victims(incoming=nbytes, shards=shards)
+                if victims is None:
+                    # Another process may have lowered the capacity below this shard: no lease
+                    # ending would make room, so the writer must not wait for one.
+                    self._refuse_larger_than_capacity(tmp_path, nbytes)
                 if victims is not None:
                     try:
                         self._delete(victims)
@@ -655,6 +655,13 @@ class Cache:
         """Count one more sampler pool started on this cache; return how many started before."""
         with self._locked():
             return self._manifest.count_sampler_run()
+
+    def _refuse_larger_than_capacity(self, tmp_path: str, nbytes: int) -> None:
+        if nbytes > self.capacity:
+            raise CacheFullError(
+                f"shard {tmp_path} has {nbytes} bytes, more than the cache's whole capacity of {self.capacity} "
+                "bytes. Raise the capacity or write smaller shards."
+            )
 
     def _refresh_capacity(self) -> None:
         """Take up a capacity stored since this process opened the cache.

@@ -469,6 +469,20 @@ def test_add_shard_with_move_killed_before_publishing_loses_nothing(id_cache, tm
     assert info.records == 4 and not os.path.exists(source) and os.stat(info.path).st_nlink == 1
 
 
+def test_a_capacity_lowered_below_a_pending_shard_fails_its_publish_at_once(tmp_path):
+    # The budget of another process's Cache(path, capacity=...) is taken up at publish: a shard
+    # larger than it waited for room no lease could make ("full of leased shards", none leased).
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(50), schema=ID_SCHEMA)
+    writer = cache.writer(publish_timeout=60)
+    for i in range(20):
+        writer.write(id_sample(i))
+    Cache(cache.path, capacity=_shard_bytes(5))
+    began = time.monotonic()
+    with pytest.raises(CacheFullError, match="more than the cache's whole capacity"):
+        writer.close()
+    assert time.monotonic() - began < 10 and cache.list_shards() == []
+
+
 def test_add_shard_larger_than_the_capacity_names_the_file_and_keeps_it(tmp_path):
     source_cache = Cache(tmp_path / "src", schema=ID_SCHEMA)
     write_shards(source_cache, [10])
