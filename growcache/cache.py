@@ -589,6 +589,7 @@ class Cache:
                         with contextlib.suppress(OSError):
                             self._manifest.uncount_publish(nbytes)
                         raise
+                    _proc.let_go(tmp_path)  # published: no temporary to keep alive
                     fsync_dir(self.shards_dir)
                     logger.debug("published %s (%d records, %d bytes)", info.path, records, nbytes)
                     return info

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _proc
 from ._retry import RetryPolicy
 from ._size import parse_size
 from ._vectored_io import IOV_MAX, write_all
@@ -42,7 +43,6 @@ from .errors import (
     TransientSourceError,
 )
 from .example import AmbiguousRecordError, ExampleCodec, RecordChecker, scan_example
-from .manifest import _unlink_quiet
 from .records import (
     FOOTER_BYTES,
     HEADER_BYTES,
@@ -54,7 +54,7 @@ from .records import (
 from .schema import Schema
 from .store import StoreSource
 from .tensor_proto import parse_tensor
-from .writer import temp_shard_name
+from .writer import discard_temporary, temp_shard_name
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -332,6 +332,9 @@ class _TempShard:
     def __init__(self, cache: Cache, start: int) -> None:
         self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, cache.file_mode)
+        # A piece may wait long for its publish (the rest of the file, room in a full cache): its
+        # heartbeat keeps another machine's cleanup from judging it abandoned meanwhile.
+        _proc.keep_alive(self.path)
         self.records = 0
         self.nbytes = 0
         self.start = start
@@ -379,7 +382,7 @@ class _TempShard:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        _unlink_quiet(self.path)
+        discard_temporary(self.path)
 
 
 def copy_records(
@@ -762,7 +765,7 @@ def _stop_reason(exc: BaseException, url: str) -> str:
 
 def _discard(pieces: list[CopiedShard]) -> None:
     for piece in pieces:
-        _unlink_quiet(piece.path)
+        discard_temporary(piece.path)
 
 
 def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:
@@ -772,5 +775,5 @@ def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:
             published.append(cache._publish(piece.path, piece.records, piece.nbytes))
     finally:
         for piece in pieces[len(published):]:
-            _unlink_quiet(piece.path)
+            discard_temporary(piece.path)
     return published

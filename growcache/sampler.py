@@ -82,12 +82,11 @@ from . import _proc
 from .cache import Cache
 from .errors import CacheFullError, GrowcacheError, SamplerError, SchemaError, TransientSourceError
 from .example import ExampleCodec
-from .manifest import _unlink_quiet
 from .records import FOOTER_BYTES, HEADER_BYTES
 from .shard_source import FetchJob, ShardSource
 from .sources import Source, as_source
 from .shard import scan_shards
-from .writer import remove_abandoned_temporaries, temp_owner, temp_token
+from .writer import discard_temporary, remove_abandoned_temporaries, temp_owner, temp_token
 
 read_sampler_stats = _sampler_stats.read_sampler_stats
 
@@ -1541,13 +1540,13 @@ def _fetch_shards(cfg: _WorkerConfig, index: int, counters: Any, stopping: Calla
                     info = cache._publish(shard.path, shard.records, shard.nbytes, should_stop=stopping,
                                           before_publish=shard.commit)
                 except CacheFullError:
-                    _unlink_quiet(shard.path)
+                    discard_temporary(shard.path)
                     if not stopping():
                         raise
                     counters[base + _DISCARDED] += 1  # stopping while leases fill the budget
                     return
                 except BaseException:
-                    _unlink_quiet(shard.path)
+                    discard_temporary(shard.path)
                     raise
                 published += 1
                 counters[base + _PUB_RECORDS] += info.records

@@ -83,6 +83,7 @@ from .errors import CacheFormatError, CompressedFileError, CorruptShardError, Gr
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _inflate, _record_limit, _skip, copy_records, iter_frames
 from .records import detect_compression
+from .writer import discard_temporary
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -773,8 +774,7 @@ def _owns(state: dict[str, Any], claim: _Claim) -> bool:
 
 
 def _discard(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    discard_temporary(path)
 
 
 def _refuse_linked_sources(cache: Cache) -> None:

@@ -393,6 +393,12 @@ def raise_if_disk_full(exc: OSError, path: str, doing: str) -> None:
         ) from exc
 
 
+def discard_temporary(path: str) -> None:
+    """Remove a temporary shard this process wrote and kept alive, and stop its heartbeat."""
+    _proc.let_go(path)
+    _unlink_quiet(path)
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)

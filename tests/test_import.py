@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from growcache import Cache, CompressedFileError, CorruptShardError, Schema, Sch
 from growcache.example import ExampleCodec
 from growcache.importer import detect_compression, import_files, infer_schema, parse_schema
 from growcache.records import iter_records
+
+from conftest import ID_SCHEMA, write_shards
 
 LABELLED = Schema({"label": ("int64", (), "int64_list"), "x": ("uint8", (64,))})
 
@@ -211,3 +215,39 @@ def test_status_shows_pass_progress(tmp_path, capsys):
         cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit)
     assert main(["status", cache.path]) == 0
     assert "pass 1, 1 of 3 shards fetched (0 in flight); the cache holds 1 of 3 whole" in capsys.readouterr().out
+
+
+_WAITING_PIECE = """
+import os, subprocess, sys, time
+from growcache import Cache
+from growcache.importer import _TempShard
+
+cache = Cache(sys.argv[1])
+data = open(sys.argv[2], "rb").read()
+piece = _TempShard(cache, 0)
+frame = len(data) // 3  # three records of one size
+for i in range(3):
+    piece.add(data, i * frame, (i + 1) * frame, i * frame)
+copied = piece.finish()
+time.sleep(3)  # three expiries: only a heartbeat keeps the piece young
+other = dict(os.environ, GROWCACHE_NODE="another-machine")
+other.pop("GROWCACHE_OWNER_EXPIRY")
+subprocess.run([sys.executable, "-c", f"from growcache import Cache; Cache({cache.path!r}).prune()"], env=other,
+               check=True)
+info = cache._publish(copied.path, copied.records, copied.nbytes)
+print(info.records)
+"""
+
+
+def test_an_imported_piece_waiting_to_publish_is_kept_alive_for_other_machines(tmp_path):
+    # Pieces of an import (and of a TFRecordShardSource sampler) wait for the rest of their file or
+    # for room; without a heartbeat, a process of another process table judged them abandoned
+    # after the owner expiry and removed them, and their publish failed.
+    source = Cache(tmp_path / "src", schema=ID_SCHEMA)
+    write_shards(source, [3])
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=ID_SCHEMA)
+    done = subprocess.run([sys.executable, "-c", _WAITING_PIECE, cache.path, source.list_shards()[0].path],
+                          env=dict(os.environ, GROWCACHE_OWNER_EXPIRY="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["3"], done.stderr[-2000:]
+    assert [s.records for s in cache.list_shards()] == [3]
