@@ -313,6 +313,43 @@ def test_a_slow_worker_abandoned_before_its_first_batch_leaves_the_next_epoch_wh
     assert sorted(_epoch(loader)) == written
 
 
+def test_a_new_iter_while_the_last_epoch_still_reads_stops_its_workers_first(id_cache, monkeypatch):
+    # ``it = iter(loader)`` runs iter() while ``it`` still holds the last epoch, whose worker
+    # (non-persistent) read on into the slots the new epoch's worker reclaimed: two processes
+    # wrote one slot, and a batch of the new epoch held records of the old. The slowed slot
+    # claim of the first epoch (a slow disk, a big shuffle window) makes the overlap certain.
+    from growcache import Schema, transport
+
+    cache = Cache(id_cache.path + "-wide", schema=Schema({"id": ("int64", ()), "x": ("float32", (16, 1024))}))
+    for shard in range(4):  # records of 64 KiB: a slot holds one batch
+        with cache.writer() as writer:
+            for i in range(shard * 64, (shard + 1) * 64):
+                writer.write({"id": np.int64(i), "x": np.full((16, 1024), i, np.float32)})
+    acquire = transport.Slab.acquire
+
+    def slow_in_the_first_epoch(self, *args, **kwargs):
+        got = acquire(self, *args, **kwargs)
+        if got is not None and self._generation == 1:
+            time.sleep(0.4)
+        return got
+
+    monkeypatch.setattr(transport.Slab, "acquire", slow_in_the_first_epoch)  # forked workers inherit it
+    loader = make_torch_loader(cache, 8, num_workers=1, persistent_workers=False, multiprocessing_context="fork",
+                               shuffle_buffer=0, prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    it = iter(loader)
+    ids = []
+    for batch in it:
+        time.sleep(0.05)  # a training step: an old worker would write meanwhile
+        for i, x in zip(batch["id"].tolist(), batch["x"].numpy()):
+            assert (x == i).all(), f"record {i} was overwritten in its batch"
+            ids.append(i)
+    assert sorted(ids) == list(range(256)), "every record of the new epoch once"
+    del it, batch
+    loader.close()
+
+
 def test_abandoned_epoch_then_next_epoch_is_complete(id_cache):
     written = write_shards(id_cache, [10] * 4)
     loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True)
