@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import ID_SCHEMA, write_shards
 from growcache import Cache
+from growcache.transport import SEGMENT_PREFIX
 
 
 def leftovers() -> set[str]:
@@ -32,7 +33,8 @@ def leftovers() -> set[str]:
             continue
         if int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
             found.add(f"child process {entry}")
-    found.update(f"slab {n}" for n in os.listdir("/dev/shm") if n.startswith(f"growcache-{me}-"))
+    mine = (f"{SEGMENT_PREFIX}v2-{me}-", f"{SEGMENT_PREFIX}{me}-")  # transport.segment_name, and before v2
+    found.update(f"slab {n}" for n in os.listdir("/dev/shm") if n.startswith(mine))
     return found
 
 
