@@ -234,6 +234,13 @@ class BatchReader:
         self.records_read = 0
         self.records_skipped = 0
 
+    def _frames_of(self, path: str) -> Iterator[tuple[int, memoryview]]:
+        """The frames of shard ``path``; growcache's own framing refuses a record longer than any
+        of the schema's before allocating it (a crafted length in a sparse file claimed gigabytes)."""
+        if self.frames is growcache_frames:
+            return iter_records(path, verify=self.verify, max_record_bytes=self.codec.max_record_bytes)
+        return self.frames(path, self.verify)
+
     def _shard_order(self, share: ReaderShare, corrupt: set[int]) -> Iterator[int]:
         """The share's shards, then (with a quota) its cycle until the quota stops the caller.
 
@@ -377,7 +384,7 @@ class BatchReader:
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for _, record in count_checked(path, self.frames(path, self.verify)):
+                for _, record in count_checked(path, self._frames_of(path)):
                     position += 1
                     if to_skip or (excluded and position - 1 in excluded):  # delivered before a resume
                         to_skip = max(to_skip - 1, 0)

@@ -690,7 +690,7 @@ class VectorReader(BatchReader):
                 shard.close()
         # The record-by-record path, from the first record the vectorized one did not place
         # (its framing is checked again from the start: a frame cannot be found otherwise).
-        for number, (_, record) in enumerate(count_checked(path, self.frames(path, self.verify))):
+        for number, (_, record) in enumerate(count_checked(path, self._frames_of(path))):
             if number < done:
                 continue
             window.open()

@@ -547,3 +547,19 @@ def test_property_random_corruption_is_reported_identically(tmp_path_factory, mo
     compare(ID_SCHEMA, cache_share(cache, seed=data.draw(st.integers(0, 9))), data.draw(st.sampled_from(ALLOCATORS)),
             **kwargs)
     shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("kind", [BatchReader, VectorReader])
+def test_a_record_longer_than_the_schema_allows_is_refused_before_it_is_allocated(tmp_path, kind):
+    # Without verify, one record of a sparse shard claimed 256 MiB: the reader allocated and read
+    # all of it (a sparse file of terabytes: an OOM kill) before finding it no record of the schema.
+    from growcache.records import frame_header
+
+    path = str(tmp_path / "sparse.tfrecord")
+    with open(path, "wb") as f:
+        f.write(frame_header((256 << 20) - 16))
+        f.truncate(256 << 20)  # a few real bytes
+    reader = kind(ID_SCHEMA, 4, verify=False)
+    got = outcome(reader, share_of([path], [1]))
+    bound = ExampleCodec(ID_SCHEMA).max_record_bytes
+    assert got == [("corrupt", path, 0, got[0][3])] and f"more than the {bound} bytes" in got[0][3], got
