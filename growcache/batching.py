@@ -390,14 +390,15 @@ class BatchReader:
                         to_skip = max(to_skip - 1, 0)
                         remaining -= 1
                         continue
-                    got += 1
-                    remaining -= 1
                     if not window:
                         window.extend([None] * window_batches)
                         targets = rng.permutation(window_rows).tolist() if window_batches > 1 else sequential
                         placed = 0
                     target = targets[placed]
                     put(record, rows_of(target // batch_size), target % batch_size)
+                    # Counted once placed: a record the schema refuses is one of the shard's lost ones.
+                    got += 1
+                    remaining -= 1
                     placed += 1
                     if placed == window_rows:
                         yield from close_window(placed)
