@@ -10,6 +10,7 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }
+_MAX_BYTES = 2**63 - 1
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -33,11 +34,16 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
             )
         number = match.group(1)
         # Whole numbers stay exact integers: through float, "9007199254740993" loses its last digit.
-        nbytes = int(number) * _UNITS[unit] if number.isdigit() else int(float(number) * _UNITS[unit])
+        try:
+            nbytes = int(number) * _UNITS[unit] if number.isdigit() else int(float(number) * _UNITS[unit])
+        except (OverflowError, ValueError):  # a decimal too large for a float: "1e400" written out
+            nbytes = _MAX_BYTES + 1
     else:
         raise ValueError(f"{name} must be an int or a string like '64MiB', got {type(value).__name__}")
     if nbytes <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+    if nbytes > _MAX_BYTES:  # no file or disk is larger; the cache stores sizes as 64-bit integers
+        raise ValueError(f"{name}={value!r} is more than 2**63 - 1 bytes, larger than any disk: check the unit")
     return nbytes
 
 

@@ -64,9 +64,10 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "ten", "5 parsecs", 0, -3, "-1GB", True, 1.5])
+@pytest.mark.parametrize("bad", ["", "ten", "5 parsecs", 0, -3, "-1GB", True, 1.5,
+                                 "1" + "0" * 400 + ".5", "10000PB", 2**63])  # past what a cache can store
 def test_parse_size_rejects(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity"):
         parse_size(bad, name="capacity")
 
 
