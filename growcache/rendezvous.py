@@ -461,6 +461,11 @@ class FileRendezvous:
             remove_stale_epoch_files(os.path.dirname(self.dir))
             _proc.let_go(path)  # its heartbeat, if an earlier attempt of this process wrote it
             _unlink_quiet(path)  # a failed earlier attempt's error, which a retrying rank must not read
+            # Acknowledgements of this epoch left by a killed run (restarted with the same run id
+            # within the sweep's grace): taken for this file's, they would let it go at once.
+            # No rank acknowledges before the file below exists, so none of these is this run's.
+            for rank in range(1, self.size):
+                _unlink_quiet(self.ack_path(epoch, rank))
             shards = take()
             pid, start = _proc.this_process()
             body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,

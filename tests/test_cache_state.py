@@ -158,6 +158,31 @@ def test_an_oversized_state_file_is_refused_without_reading_it_whole(id_cache):
         Cache(id_cache.path)
 
 
+def test_a_stale_acknowledgement_of_a_killed_run_never_lets_the_new_epoch_file_go(id_cache, monkeypatch):
+    # A run killed mid-epoch and restarted with the same run id within the sweep's grace left
+    # rank 1's acknowledgement of that epoch: the new first rank took it for an answer to its own
+    # file, deleted the file at once, and rank 1 waited for it until EpochSyncError.
+    from growcache.rendezvous import EpochShards
+
+    write_shards(id_cache, [4])
+    first = FileRendezvous(id_cache.path, ("run",), 0, 2)
+    with open(first.ack_path(0, 1), "w") as f:
+        json.dump({"pid": 1, "start_time": 1, "host": None, "created": 0}, f)
+    shard = id_cache.list_shards()[0]
+    agreement = first.share(0, lambda: EpochShards(0, 0, (shard.seq,), (os.path.basename(shard.path),)))
+    closed = threading.Event()
+    agreement.release(closed.set)  # the first rank ends its epoch: its file waits for rank 1
+    time.sleep(0.5)
+    assert os.path.exists(first.path(0)) and not closed.is_set(), "the file waits for this run's rank 1"
+    follower = FileRendezvous(id_cache.path, ("run",), 1, 2).share(0, lambda: None)
+    assert follower.shards.seqs == (shard.seq,)
+    follower.confirm(True, 1)
+    deadline = time.monotonic() + 10
+    while not closed.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert closed.is_set() and not os.path.exists(first.path(0))
+
+
 def test_a_damaged_epoch_file_is_a_dead_first_rank_s(id_cache, monkeypatch):
     write_shards(id_cache, [4])
     follower = FileRendezvous(id_cache.path, ("run",), 1, 2)
