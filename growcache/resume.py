@@ -93,6 +93,8 @@ _PLAN_FLAGS = ("even_batches", "drop_last")
 _REPLANNABLE = ("batch_size", "shuffle_buffer", "drop_last", "world_size", "rank", "group_size", "group_rank")
 _WORLD = ("world_size", "rank", "group_size", "group_rank")
 _MAX_INT = 2**62
+_MAX_READERS = 2**17  # ranks x workers of one group: planning an epoch takes about 1 s per 10**5
+_PLAN_LIMITS = {"workers": 4096, "world_size": _MAX_READERS, "group_size": _MAX_READERS}
 _MAX_SHARDS = 10**7
 
 
@@ -273,6 +275,15 @@ def check_state(state: Any) -> dict[str, Any]:
     if not isinstance(plan, Mapping) or set(plan) - {"reader"} != keys:
         raise ValueError(f"resume state field 'plan' is not a dict of {sorted(keys)} (and 'reader')")
     checked = {key: _int(plan, key, low, _MAX_INT, "plan.") for key, low in _PLAN_KEYS.items()}
+    # A resume plans the saved epoch over every reader of the group, so their number bounds its work.
+    for key, top in _PLAN_LIMITS.items():
+        if checked[key] > top:
+            raise ValueError(f"resume state field 'plan.{key}' is {checked[key]}, more than {top}: the state is "
+                             "damaged or not a growcache loader's")
+    if checked["group_size"] * checked["workers"] > _MAX_READERS:
+        raise ValueError(f"resume state fields 'plan.group_size' x 'plan.workers' give "
+                         f"{checked['group_size'] * checked['workers']} readers, more than {_MAX_READERS}: the state "
+                         "is damaged or not a growcache loader's")
     for key in _PLAN_FLAGS:
         if not isinstance(plan[key], bool):
             raise ValueError(f"resume state field 'plan.{key}' is {plan[key]!r}, not a bool")

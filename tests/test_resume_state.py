@@ -66,6 +66,8 @@ def _with(state, path, value):
     (("progress",), -3, "'progress'"),
     (("cache_id",), "../../x", "'cache_id'"),
     (("plan", "workers"), 0, "'plan.workers'"),
+    (("plan", "workers"), 2**40, "'plan.workers'"),  # planned reader by reader: a MemoryError, or minutes
+    (("plan", "group_size"), 10**6, "'plan.group_size'"),
     (("plan", "batch_size"), False, "'plan.batch_size'"),
     (("plan", "split"), "everyone", "'plan.split'"),
     (("plan", "drop_last"), 0, "'plan.drop_last'"),
