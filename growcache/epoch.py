@@ -566,6 +566,14 @@ class Epochs:
                 if failed:
                     raise EpochSyncError(f"ranks {failed} could not lease epoch {shards.epoch}'s shards (see their "
                                          "errors); every rank stops rather than read different data")
+                if reports is not None and group.groups == 1 and self.options.even_batches \
+                        and len({batches for _, batches in reports}) > 1:
+                    # Same shards, same plan: only ranks configured differently (num_workers)
+                    # count differently, and DDP's all-reduce would hang on the rank with more.
+                    raise EpochSyncError(
+                        f"the ranks plan different batch counts for epoch {shards.epoch}: "
+                        f"{[batches for _, batches in reports]} by rank. Give every rank the same num_workers, "
+                        "batch_size and drop_last")
                 if reports is not None and group.groups > 1 and self.options.even_batches:
                     counts = [batches for _, batches in reports]
                     target = min(counts) if options.drop_last else max(counts)

@@ -168,6 +168,38 @@ def test_ranks_on_different_caches_with_split_shared_all_raise_instead_of_readin
     assert "gone from cache" in outcomes[1] and "split='node'" in outcomes[1]
 
 
+def _rank_with_its_own_workers(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import growcache
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    loader = growcache.make_torch_loader(cache_dir, 4, num_workers=2 * rank, seed=0)  # 1 reader, then 2
+    try:
+        next(iter(loader))
+        outcome = "no error"
+    except growcache.EpochSyncError as exc:
+        outcome = str(exc)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_with_different_num_workers_all_raise_instead_of_falling_out_of_step(id_cache, tmp_path):
+    # Each rank plans with its own reader count: 1 and 2 readers gave 4 and 6 batches of one
+    # snapshot, and DDP's all-reduce hung on the rank with more.
+    import torch.multiprocessing as mp
+
+    write_shards(id_cache, [5, 7, 3, 6, 2, 9])
+    mp.spawn(_rank_with_its_own_workers, args=(2, id_cache.path, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert "plan different batch counts" in (tmp_path / f"rank{rank}.txt").read_text()
+
+
 def _rank_on_a_node(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
     # Ranks 0-1 form one "node" with its own cache, ranks 2-3 another.
     _train_ddp(rank, world, port, out_dir, _drop_last_variants(cache_dirs[rank // 2], split="node"))
