@@ -124,7 +124,6 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         self.resume_ttl = resume_ttl
         self._prefetch_factor = self.prefetch_factor
         self._closed = False
-        self._delivering: weakref.ref[Any] | None = None  # the epoch handed out last, while it lives
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
         if delivery is not None:
             delivery.bind(self)
@@ -193,12 +192,9 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
             raise RuntimeError("this growcache loader was closed: build a new one with make_torch_loader")
         context = self.multiprocessing_context
         method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
-        previous = self._delivering() if self._delivering is not None else None
+        previous = getattr(self, "_delivering", lambda: None)()  # the epoch handed out last, if it lives
         if previous is not None and not (self.persistent_workers and self.num_workers):
-            # Still referenced (``it = iter(loader)`` calls iter() before ``it`` lets go): its
-            # workers would read on into the slabs this epoch's workers reclaim. Closing it
-            # abandons that epoch now and stops its workers before new ones start.
-            previous.close()
+            previous.close()  # held by `it = iter(loader)`: its workers stop before new ones reclaim the slabs
         began = self._meter.clock()
         # super().__iter__() starts the workers, or resets persistent ones (the feed ends the
         # abandoned epoch they may still have read only then).
@@ -207,8 +203,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
             registered=self._delivery is not None)
         release_kept_pins(self.last_epoch)  # the run went on: states of its earlier epochs are stale
         self._meter.begin(self.last_epoch, began)
-        delivering = self._deliver(self.last_epoch, iterator)
-        self._delivering = weakref.ref(delivering)
+        self._delivering = weakref.ref(delivering := self._deliver(self.last_epoch, iterator))
         return delivering
 
     def _start_workers(self) -> Any:

@@ -16,8 +16,9 @@ ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 # batches consumed, the pin kept or released; the mechanism is growcache.resume) and the
 # DataLoader attributes that report what the loader does. Issue 30's TensorFlow resume wires in
 # 20 lines (resume_ttl, state_dict/load_state_dict, the replay's skip, the eager iterator's
-# count); the mechanism is growcache.pull_feed and growcache.resume.
-MAX_LINES = 705
+# count); the mechanism is growcache.pull_feed and growcache.resume. Closing the epoch a new iter()
+# replaces, before its workers could write into reclaimed slabs, takes 4 lines of torch loader.
+MAX_LINES = 710
 
 
 def test_the_two_adapters_together_stay_within_their_line_budget():
