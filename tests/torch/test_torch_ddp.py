@@ -130,14 +130,15 @@ def test_two_ranks_disjoint_equal_batches(id_cache, tmp_path):
                 assert seen == set(written)  # every record read; only top-up records repeat within a rank
 
 
-def _rank_on_its_own_cache(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
+def _first_batch_outcome(rank: int, world: int, port: int, out_dir: str, cache_dir: str, **loader_kwargs) -> None:
+    """Take a first batch in a gloo group; write ``no error`` or the EpochSyncError's text."""
     import torch.distributed as dist
 
     import growcache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    loader = growcache.make_torch_loader(cache_dirs[rank], 4, num_workers=0)
+    loader = growcache.make_torch_loader(cache_dir, 4, **loader_kwargs)
     try:
         next(iter(loader))
         outcome = "no error"
@@ -145,8 +146,13 @@ def _rank_on_its_own_cache(rank: int, world: int, cache_dirs: list[str], port: i
         outcome = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(outcome)
+    loader.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank_on_its_own_cache(rank: int, world: int, cache_dirs: list[str], port: int, out_dir: str) -> None:
+    _first_batch_outcome(rank, world, port, out_dir, cache_dirs[rank], num_workers=0)
 
 
 @pytest.mark.timeout(120)
@@ -169,23 +175,7 @@ def test_ranks_on_different_caches_with_split_shared_all_raise_instead_of_readin
 
 
 def _rank_with_its_own_workers(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    import growcache
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    loader = growcache.make_torch_loader(cache_dir, 4, num_workers=2 * rank, seed=0)  # 1 reader, then 2
-    try:
-        next(iter(loader))
-        outcome = "no error"
-    except growcache.EpochSyncError as exc:
-        outcome = str(exc)
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(outcome)
-    loader.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    _first_batch_outcome(rank, world, port, out_dir, cache_dir, num_workers=2 * rank, seed=0)  # 1 reader, then 2
 
 
 @pytest.mark.timeout(180)
