@@ -244,6 +244,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.on_missing = on_missing
         self._steps = 0  # batches taken in this epoch from its iterator
         self._slot: str | None = None  # the weights file the metadata names
+        self._in_batch = self._postponed = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restore the weights, the epoch and the dataset's position from the backup, if any."""
@@ -284,16 +285,31 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         """Save every ``save_freq`` batches, the dataset's state at ``batch + 1`` steps of this
         iterator (Keras's steps restart at 0 in a restored epoch: the dataset adds the saved ones)."""
         self._steps = batch + 1
-        super().on_train_batch_end(batch, logs)
+        self._in_batch = True
+        try:
+            super().on_train_batch_end(batch, logs)
+        finally:
+            self._in_batch = False
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save with ``save_freq="epoch"``; either way, tell the dataset that training is done
         with the epoch (it ends the epoch's lease and pin)."""
-        super().on_epoch_end(epoch, logs)
-        if self.save_freq != "epoch":
+        super().on_epoch_end(epoch, logs)  # Keras's: saves from now on name the next epoch
+        if self._postponed:
+            self._postponed = False
+            self._save_model()
+        elif self.save_freq != "epoch":
             self.dataset.state_dict(consumed=self._steps)
 
     def _save_model(self) -> None:
+        state = self.dataset.state_dict(consumed=self._steps)
+        if self._in_batch and self._steps and state.get("snapshot") is None:
+            # The epoch's last batch: the dataset's state is the next epoch's start already, and
+            # Keras's epoch number gets there only at the epoch's end, after validation and the
+            # other callbacks. A backup of this epoch with that state would train it again whole
+            # on restore; the save waits for on_epoch_end, as save_freq="epoch" saves.
+            self._postponed = True
+            return
         os.makedirs(self.backup_dir, exist_ok=True)
         slot = self._SLOTS[1] if self._slot == self._SLOTS[0] else self._SLOTS[0]
         weights = os.path.join(self.backup_dir, slot)
@@ -301,7 +317,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         with open(weights, "rb+") as f:
             os.fsync(f.fileno())  # on disk before the metadata names it
         metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen, "weights": slot,
-                    "growcache": self.dataset.state_dict(consumed=self._steps)}
+                    "growcache": state}
         # The commit: the weights it names are written whole.
         atomic_write_bytes(os.path.join(self.backup_dir, self._METADATA), json.dumps(metadata).encode(), 0o644)
         self._slot = slot

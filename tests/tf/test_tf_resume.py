@@ -214,7 +214,8 @@ def test_keras_backup_and_restore_resumes_the_epoch_where_it_stopped(grown, tmp_
     reference = _Epochs(log)
     fit_growing(_model(log), _dataset(grown, label="id"), epochs=2, verbose=0, callbacks=[reference])
     expected = reference.by_epoch[1]
-    stop_at, save_freq = random.Random(time.time_ns()).randrange(4, len(expected) - 2), 3
+    # The resumed epoch's third step is not its last: that save waits for the epoch's end (below).
+    stop_at, save_freq = random.Random(time.time_ns()).randrange(4, len(expected) - 4), 3
     backup = tmp_path / "backup"
 
     stopped = _Epochs(log, stop_epoch=1, stop_at=stop_at)
@@ -240,6 +241,45 @@ def test_keras_backup_and_restore_resumes_the_epoch_where_it_stopped(grown, tmp_
     assert peeked[0]["epoch"] == 1 and peeked[0]["growcache"]["progress"] == saved + 3
     assert before[:saved] + resumed.by_epoch[1] == expected  # batch by batch, each record once
     assert 50_000 in {i for batch in resumed.by_epoch[2] for i in batch}  # then a fresh snapshot
+    assert not backup.exists() and grown.stats().pins == 0
+
+
+@pytest.mark.parametrize("killed", ["after the last batch", "at the epoch's end"])
+def test_a_save_on_the_epochs_last_batch_restores_that_epoch_whole_not_again(grown, tmp_path, killed):
+    # On the last batch the dataset's state is the next epoch's start while Keras's epoch is not
+    # over: the backup names the last save before it until the epoch's end, then the next epoch.
+    log: list = []
+    reference = _Epochs(log)
+    fit_growing(_model(log), _dataset(grown, label="id"), epochs=3, verbose=0, callbacks=[reference])
+    expected = reference.by_epoch[1]
+    backup = tmp_path / "backup"
+    stopped = _Epochs(log, stop_epoch=1, stop_at=len(expected) - 1 if killed == "after the last batch" else -1)
+
+    def end(epoch, logs):
+        if epoch == 1:
+            raise RuntimeError("preempted")
+
+    ds = _dataset(grown, label="id")
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit_growing(_model(log), ds, epochs=3, verbose=0, callbacks=[
+            BackupAndRestore(backup, ds, save_freq=1), stopped, keras.callbacks.LambdaCallback(on_epoch_end=end)])
+    assert list(stopped.by_epoch[1]) == expected
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    state = metadata["growcache"]
+    if killed == "after the last batch":
+        assert (metadata["epoch"], state["epoch"], state["progress"]) == (1, 1, len(expected) - 1)
+    else:
+        assert (metadata["epoch"], state["epoch"], state["progress"], state["snapshot"]) == (2, 2, 0, None)
+
+    resumed = _Epochs(log)
+    ds = _dataset(grown, label="id")
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0,
+                          callbacks=[BackupAndRestore(backup, ds, save_freq=1), resumed])
+    if killed == "after the last batch":
+        assert history.epoch == [1, 2] and resumed.by_epoch[1] == expected[-1:]  # the one batch not saved
+    else:
+        assert history.epoch == [2]
+    assert resumed.by_epoch[2] == reference.by_epoch[2]
     assert not backup.exists() and grown.stats().pins == 0
 
 
