@@ -20,6 +20,7 @@ from typing import Any
 from growcache.epoch import EpochBookkeeping
 from growcache.errors import MissingExtraError
 from growcache.metrics import DEFAULT_LOGGED, MeteredLoader, TrainerSource
+from growcache.resume import ResumableLoader
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -102,11 +103,22 @@ class ResumeCallback(Callback):
         self._checked: int | None = None  # the trainer epoch whose loader epoch was checked
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        for state in fit_loop.get("combined_loader") or ():
+        states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        processed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        # The loaders whose states Lightning listed, in its order (CombinedLoader._state_dicts).
+        flattened = getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", None) or []
+        stateful = [loader for loader in flattened if callable(getattr(loader, "state_dict", None))
+                    and callable(getattr(loader, "load_state_dict", None))]
+        if isinstance(states, list) and len(states) == len(stateful):
+            # Asked again for the steps' count: a checkpoint one step before the epoch's end, its
+            # last batch already fetched, is mid-epoch (the loader alone would name the next epoch).
+            for i, loader in enumerate(stateful):
+                if isinstance(loader, ResumableLoader):
+                    states[i] = loader.state_dict(consumed=processed)
+            return
+        for state in states or ():  # another Lightning's layout: the progress at least
             if isinstance(state, dict) and state.get("format") == "growcache-loader" and state.get("snapshot"):
-                state["progress"] = min(int(state["progress"]), int(processed))
+                state["progress"] = min(int(state["progress"]), processed)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Warn when a growcache loader's epoch is not the trainer's (an epoch's order would repeat)."""

@@ -33,7 +33,8 @@ from .epoch import Epoch, Epochs
 from .errors import GrowcacheError, MissingShardsError
 from .metrics import InputMeter
 from .readers import slab_batches
-from .resume import DEFAULT_RESUME_TTL, check_state, keep_pin, load_state, loader_state, pin_epoch, release_kept_pins
+from .resume import (DEFAULT_RESUME_TTL, check_consumed, check_state, keep_pin, load_state, loader_state, pin_epoch,
+                     release_kept_pins)
 from .transport import COPY_BELOW, BatchLayout, Slab
 
 __all__ = ["IteratorEpochs", "SlabFeed"]
@@ -223,10 +224,8 @@ class IteratorEpochs:
         """
         epochs, latest = self.epochs, self.epochs.latest
         self._follow = True
+        check_consumed(consumed)
         if consumed is not None:
-            if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)) or consumed < 0:
-                raise ValueError(f"consumed is the batches the training loop took from the current iterator, an "
-                                 f"integer >= 0, not {consumed!r}")
             if latest is not None:
                 with self._lock:
                     base = self._base.get(latest.token, 0)

@@ -185,9 +185,19 @@ def _plan_params(epochs: Epochs) -> dict[str, Any]:
             "shuffle_buffer": int(epochs.reader.shuffle_buffer), "drop_last": bool(options.drop_last)}
 
 
-def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcache") -> dict[str, Any]:
+def check_consumed(consumed: Any) -> None:
+    """Raise ``ValueError`` unless ``consumed`` (a ``state_dict`` argument) is ``None`` or an integer >= 0."""
+    if consumed is not None and (isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer))
+                                 or consumed < 0):
+        raise ValueError(f"consumed is the batches the training loop took in the current epoch, an integer >= 0, "
+                         f"not {consumed!r}")
+
+
+def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcache",
+                 consumed: int | None = None) -> dict[str, Any]:
     """The state to resume ``epochs`` from, ``latest`` being the epoch the adapter started last,
-    read by a ``reader`` of :data:`READERS` (``plan.reader``).
+    read by a ``reader`` of :data:`READERS` (``plan.reader``), after ``consumed`` of its batches
+    (default and most: the batches the adapter handed over, ``latest.consumed``).
 
     Mid-epoch, it names that epoch's snapshot and progress; between epochs (or once every batch of
     the epoch was consumed), the next epoch, with ``snapshot`` and ``pin`` ``None``. A state
@@ -205,7 +215,8 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
                              # before the process group exists: a state between epochs needs no plan.
                              "plan": {**_plan_params(epochs), "reader": reader} if epochs._group is not None else None,
                              "snapshot": None, "progress": 0, "pin": None}
-    if latest is None or latest.ended or latest.consumed >= latest.batches():
+    taken = 0 if latest is None else latest.consumed if consumed is None else min(int(consumed), latest.consumed)
+    if latest is None or latest.ended or taken >= latest.batches():
         if latest is not None and not latest.ended:
             state["epoch"] = latest.number + 1
         return state
@@ -218,8 +229,8 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     if latest.pin is not None and getattr(latest, "assignment", None) is None:
         # What a resume one batch earlier reads too: a trainer that fetches a batch ahead saves
         # the batches its steps processed (Lightning's ResumeCallback, Lightning issue #18135).
-        latest.pin.shrink(set(latest.left(max(latest.consumed - 1, 0))))
-    state.update(epoch=latest.number, seed=latest.seed, progress=int(latest.consumed),
+        latest.pin.shrink(set(latest.left(max(taken - 1, 0))))
+    state.update(epoch=latest.number, seed=latest.seed, progress=int(taken),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
     return state
@@ -791,14 +802,24 @@ class ResumableLoader(EpochBookkeeping):
     #: Seconds an epoch's snapshot stays pinned from its first ``state_dict()`` (``0``: no pin).
     resume_ttl: float = DEFAULT_RESUME_TTL
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The state to resume at: see :func:`loader_state`. JSON-serializable, no pickles; cheap
         enough to call every few batches (a list of the epoch's shard names). The first call in
-        an epoch pins its snapshot for :attr:`resume_ttl` seconds (:func:`pin_epoch`)."""
+        an epoch pins its snapshot for :attr:`resume_ttl` seconds (:func:`pin_epoch`).
+
+        Args:
+            consumed: the batches of the current epoch the training loop processed, where it
+                reads ahead of its steps (Lightning's fetcher: :class:`ResumeCallback` passes
+                it); at most those handed over. Default: ``None``: every batch handed over.
+
+        Raises:
+            ValueError: ``consumed`` is not an integer >= 0.
+        """
+        check_consumed(consumed)
         latest = self.last_epoch
         if latest is not None and self.epochs.resume is None:
             pin_epoch(latest, self.resume_ttl)
-        return loader_state(self.epochs, latest)
+        return loader_state(self.epochs, latest, consumed=consumed)
 
     def load_state_dict(self, state: Mapping[str, Any], *, on_missing: str = "raise", replan: bool = False) -> None:
         """Resume from ``state``: the next ``iter()`` finishes the saved epoch, batch by batch as

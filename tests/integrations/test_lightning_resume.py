@@ -60,22 +60,31 @@ def _trainer(tmp_path, **kwargs) -> L.Trainer:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_run_stopped_mid_epoch_resumes_from_last_ckpt_batch_by_batch(id_cache, tmp_path, workers):
+@pytest.mark.parametrize("before_end", [False, True])
+def test_a_run_stopped_mid_epoch_resumes_from_last_ckpt_batch_by_batch(id_cache, tmp_path, workers, before_end):
+    # before_end: a checkpoint one step before the epoch's end. Lightning's fetcher has read the
+    # epoch's last batch: the loader has handed over every batch, yet the trainer's epoch goes on.
     write_shards(id_cache, SHARDS)
 
     def loader():
         return growcache.make_torch_loader(id_cache, 8, num_workers=workers, shuffle_buffer=20, seed=3)
 
     whole = Model()
-    _trainer(tmp_path).fit(whole, loader())
-    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, save_last=True,
-                                                      save_top_k=0)
-    first = Model(stop=11)
+    _trainer(tmp_path, max_epochs=2).fit(whole, loader())
+    batches = whole.epochs.count(0)
+    saved, every, stop = (batches - 1, batches - 1, batches) if before_end else (9, 3, 11)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=every,
+                                                      save_last=True, save_top_k=0)
+    first = Model(stop=stop)
     with pytest.raises(RuntimeError, match="planted crash"):
-        _trainer(tmp_path, callbacks=[checkpoints, ResumeCallback()]).fit(first, loader())
+        _trainer(tmp_path, max_epochs=2, callbacks=[checkpoints, ResumeCallback()]).fit(first, loader())
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["loops"]["fit_loop"]["state_dict"]
+    assert [(s["epoch"], s["progress"], bool(s["snapshot"])) for s in state["combined_loader"]] == [(0, saved, True)]
     resumed = Model()
-    _trainer(tmp_path, callbacks=[ResumeCallback()]).fit(resumed, loader(), ckpt_path=str(tmp_path / "last.ckpt"))
-    assert first.seen[:9] + resumed.seen == whole.seen  # the checkpoint after step 9, then the rest
+    _trainer(tmp_path, max_epochs=2, callbacks=[ResumeCallback()]).fit(resumed, loader(),
+                                                                        ckpt_path=str(tmp_path / "last.ckpt"))
+    assert first.seen[:saved] + resumed.seen == whole.seen  # the checkpoint's step, then the rest, epoch 1 too
+    assert resumed.epochs == whole.epochs[saved:]
 
 
 def _reference(cache, epochs: int, **options) -> list[tuple[int, list[int]]]:

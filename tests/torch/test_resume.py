@@ -107,6 +107,28 @@ def test_persistent_workers_resume_and_set_epoch_of_the_same_epoch_keeps_the_res
         assert len(_ids(loader)) > 0 and loader.last_epoch.number == 2  # then a fresh snapshot, the next epoch
 
 
+def test_a_state_of_fewer_batches_than_handed_over_resumes_there_also_at_the_epochs_end(grown):
+    # A loop that reads ahead of its steps (Lightning's fetcher) asks for the state of the batches
+    # it processed: after the epoch's last batch was handed over, one step before the end, that is
+    # still the epoch, not the next one.
+    expected = _reference(grown, num_workers=0)
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        loader.set_epoch(1)
+        iterator = iter(loader)
+        got = [next(iterator)["id"].tolist() for _ in range(len(expected))]
+        assert loader.state_dict()["epoch"] == 2  # every batch handed over: the next epoch
+        state = json.loads(json.dumps(loader.state_dict(consumed=len(expected) - 1)))
+        assert (state["epoch"], state["progress"]) == (1, len(expected) - 1) and state["snapshot"]
+        assert loader.state_dict(consumed=len(expected) + 5)["epoch"] == 2  # at most those handed over
+        for wrong in (-1, 2.0, True, "3"):
+            with pytest.raises(ValueError, match="consumed is the batches the training loop took"):
+                loader.state_dict(consumed=wrong)
+        del iterator
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        loader.load_state_dict(state)
+        assert got[:-1] + _ids(loader) == expected
+
+
 def test_set_epoch_to_another_epoch_drops_the_resume_and_its_pin(grown):
     _, state = _cut(grown, 5, num_workers=0)
     assert grown.stats().pins == 1
