@@ -179,6 +179,13 @@ def other_schema(path: str, exc: SchemaError) -> CorruptShardError:
     return CorruptShardError(path, 0, f"its records follow another schema than the cache's: {str(exc).split('. ')[0]}")
 
 
+def malformed(path: str, offset: int, exc: ValueError) -> CorruptShardError:
+    """A record with valid framing and CRCs that is not one well-formed ``tf.train.Example``
+    (a bad wire type, a field past its message's end, an ambiguous one) is corrupt: named with
+    its offset, and skipped under ``on_corrupt="skip"``, like a CRC failure."""
+    return CorruptShardError(path, offset, f"the record is not a well-formed tf.train.Example ({exc})")
+
+
 class BatchReader:
     """Reads a :class:`ReaderShare` into batches of numpy rows.
 
@@ -384,7 +391,7 @@ class BatchReader:
             path = os.fsdecode(share.paths[index])
             got = 0
             try:
-                for _, record in count_checked(path, self._frames_of(path)):
+                for at, record in count_checked(path, self._frames_of(path)):
                     position += 1
                     if to_skip or (excluded and position - 1 in excluded):  # delivered before a resume
                         to_skip = max(to_skip - 1, 0)
@@ -395,7 +402,12 @@ class BatchReader:
                         targets = rng.permutation(window_rows).tolist() if window_batches > 1 else sequential
                         placed = 0
                     target = targets[placed]
-                    put(record, rows_of(target // batch_size), target % batch_size)
+                    try:
+                        put(record, rows_of(target // batch_size), target % batch_size)
+                    except SchemaError:
+                        raise
+                    except ValueError as exc:
+                        raise malformed(path, at, exc) from None
                     # Counted once placed: a record the schema refuses is one of the shard's lost ones.
                     got += 1
                     remaining -= 1

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ._vectored_io import pread_into
-from .batching import Allocate, BatchReader, ReaderShare, Skipped, other_schema, past_gone
+from .batching import Allocate, BatchReader, ReaderShare, Skipped, malformed, other_schema, past_gone
 from .errors import CorruptShardError, SchemaError
 from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
@@ -417,10 +417,20 @@ class _Window:
     def _target(self, position: int) -> int:
         return int(self.targets[position]) if self.targets is not None else position
 
-    def put(self, record: Any) -> None:
-        """Place one record (the record-by-record path)."""
+    def put(self, record: Any, path: str, offset: int) -> None:
+        """Place one record, found at byte ``offset`` of ``path`` (the record-by-record path).
+
+        Raises:
+            CorruptShardError: the record is not a well-formed Example (:func:`malformed`).
+            SchemaError: it does not follow the schema.
+        """
         target = self._target(self.placed)
-        self.decoder.put(record, self._rows_of(target // self.batch_size), target % self.batch_size)
+        try:
+            self.decoder.put(record, self._rows_of(target // self.batch_size), target % self.batch_size)
+        except SchemaError:
+            raise
+        except ValueError as exc:
+            raise malformed(path, offset, exc) from None
         self.placed += 1
 
     def destinations(self, count: int) -> list[list[memoryview]]:
@@ -467,12 +477,13 @@ class _Window:
             frame = shard.fixed.frame
             record = os.pread(shard.fd, frame, (start + index) * frame)[HEADER_BYTES:frame - FOOTER_BYTES]
             self.placed = first + index
-            self.put(record)
+            self.put(record, shard.path, (start + index) * frame)
         self.placed = first + count
 
     def put_frames(self, frames: np.ndarray, payloads: list[tuple[int, int]], layout_ok: np.ndarray,
-                   record_length: int) -> None:
-        """Place consecutive fixed frames (``frames``: ``(k, frame)`` bytes) in the window's next rows."""
+                   record_length: int, shard: _Shard, shard_record: int) -> None:
+        """Place consecutive fixed frames (``frames``: ``(k, frame)`` bytes, from record
+        ``shard_record`` of ``shard``) in the window's next rows."""
         count = len(frames)
         first = self.placed
         if self.targets is None:  # sequential: one window is one batch
@@ -504,7 +515,8 @@ class _Window:
         # if they had ours; put them again through the codec's general path.
         for index in np.flatnonzero(~layout_ok).tolist():
             self.placed = first + index
-            self.put(frames[index, HEADER_BYTES:HEADER_BYTES + record_length].data)
+            self.put(frames[index, HEADER_BYTES:HEADER_BYTES + record_length].data, shard.path,
+                     (shard_record + index) * shard.fixed.frame)
         self.placed = first + count
 
     def close(self) -> Iterator[Batch]:
@@ -626,7 +638,7 @@ class VectorReader(BatchReader):
             window.placed += placed
             if stop == _OTHER_LAYOUT:  # same length, another order of features: the codec's general path
                 frame = os.pread(shard.fd, fixed.frame, (start + good) * fixed.frame)
-                window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES])
+                window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES], shard.path, (start + good) * fixed.frame)
                 good += 1
             elif stop == _SHRANK:  # the loop does not say where in the frame: the file's end does
                 at = (start + good) * fixed.frame
@@ -653,23 +665,32 @@ class VectorReader(BatchReader):
                 while done < shard.records and remaining > 0:
                     room = window.room if window.entries else window.rows
                     count = min(piece, shard.records - done, room, remaining)
-                    if self.fused:
-                        window.open()  # before the first record is checked: see below
-                        good, why = self._place(shard, done, count, window)
-                    elif fixed.direct:
-                        # The rows must be known before the read. Opening the window (drawing
-                        # its permutation) before its first record is checked changes nothing:
-                        # the next good record would draw the same permutation.
-                        window.open()
-                        constant, footers, records = shard.read_into(done, window.destinations(count))
-                        good, why, layout_ok = fixed.check(constant, footers, records, crc)
-                        window.placed_direct(good, layout_ok, shard, done)
-                    else:
-                        frames, constant, footers, records = shard.read(done, count)
-                        good, why, layout_ok = fixed.check(constant, footers, records, crc)
-                        if good:
+                    before = window.placed if window.entries else 0
+                    try:
+                        if self.fused:
+                            window.open()  # before the first record is checked: see below
+                            good, why = self._place(shard, done, count, window)
+                        elif fixed.direct:
+                            # The rows must be known before the read. Opening the window (drawing
+                            # its permutation) before its first record is checked changes nothing:
+                            # the next good record would draw the same permutation.
                             window.open()
-                            window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record)
+                            constant, footers, records = shard.read_into(done, window.destinations(count))
+                            good, why, layout_ok = fixed.check(constant, footers, records, crc)
+                            window.placed_direct(good, layout_ok, shard, done)
+                        else:
+                            frames, constant, footers, records = shard.read(done, count)
+                            good, why, layout_ok = fixed.check(constant, footers, records, crc)
+                            if good:
+                                window.open()
+                                window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record, shard, done)
+                    except CorruptShardError:
+                        # A malformed record among the piece's: those placed before it count, as
+                        # the record-by-record reader counts them.
+                        if window.placed > before:
+                            self.records_fast += window.placed - before
+                            yield window.placed - before
+                        raise
                     records = None
                     if good:
                         done += good
@@ -690,11 +711,11 @@ class VectorReader(BatchReader):
                 shard.close()
         # The record-by-record path, from the first record the vectorized one did not place
         # (its framing is checked again from the start: a frame cannot be found otherwise).
-        for number, (_, record) in enumerate(count_checked(path, self._frames_of(path))):
+        for number, (at, record) in enumerate(count_checked(path, self._frames_of(path))):
             if number < done:
                 continue
             window.open()
-            window.put(record)
+            window.put(record, path, at)
             remaining -= 1
             yield 1
             if window.room == 0:

@@ -105,3 +105,31 @@ def test_a_shard_cut_at_a_record_boundary_is_corrupt_in_a_torch_epoch(tmp_path, 
     ids = sorted(i for batch in loader for i in batch["id"].tolist())
     assert ids[-8:] == list(range(8, 16)) and len(ids) <= 15
     assert [(s.path, s.records) for s in loader.skipped] == [(short.path, 8 - (len(ids) - 8))]
+
+
+@pytest.mark.parametrize("reader", ["tfrecord", "growcache"])
+@pytest.mark.parametrize("damage", [b"\x0f", b"\x0a\x7f"])  # wire type 7; a field running past its message
+def test_a_malformed_example_under_a_valid_crc_is_a_corrupt_shard_named_at_its_record(tmp_path, reader, damage):
+    # Both readers raised a bare ValueError, without file or offset, and on_corrupt="skip" did
+    # not skip: only a frame's CRC was taken for damage.
+    from growcache.records import crc32c, frame_footer, frame_header
+
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [6, 6])
+    bad = cache.list_shards()[0]
+    frame = bad.nbytes // 6
+    with open(bad.path, "r+b") as f:
+        record = bytearray(f.read()[2 * frame + 12:3 * frame - 4])
+        record[:len(damage)] = damage
+        f.seek(2 * frame)
+        f.write(frame_header(len(record)) + record + frame_footer(crc32c(bytes(record))))
+    with pytest.raises(CorruptShardError, match="not a well-formed tf.train.Example") as info:
+        for _ in make_torch_loader(cache, 4, num_workers=0, reader=reader, shuffle_buffer=0):
+            pass
+    assert (info.value.path, info.value.offset) == (bad.path, 2 * frame)
+    loader = make_torch_loader(cache, 4, num_workers=2, reader=reader, shuffle_buffer=0, on_corrupt="skip",
+                               multiprocessing_context="fork")
+    ids = sorted(i for batch in loader for i in batch["id"].tolist())
+    assert ids == [0, 1, *range(6, 12)]
+    assert [(s.path, s.offset, s.records) for s in loader.skipped] == [(bad.path, 2 * frame, 4)]
+    loader.close()
