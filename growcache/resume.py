@@ -729,7 +729,10 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     cache = epochs.cache
     previous, epochs.resume = epochs.resume, None
     if previous is not None:
-        previous.abandon()
+        # The same state loaded again (a trainer's restore, then the user's) adopts the same pin:
+        # releasing it would leave the resumed epoch's shards to eviction.
+        kept = previous._pin.name if previous._pin is not None else None
+        previous.abandon(quiet=checked["pin"] is not None and kept == checked["pin"]["name"])
     if checked["cache_id"] is not None and cache.cache_id is not None and checked["cache_id"] != cache.cache_id:
         raise ValueError(f"resume state field 'cache_id' is {checked['cache_id']}, but cache {cache.path} is "
                          f"{cache.cache_id}: the state was saved on another cache (or one re-created at this "

@@ -129,6 +129,19 @@ def test_a_state_of_fewer_batches_than_handed_over_resumes_there_also_at_the_epo
         assert got[:-1] + _ids(loader) == expected
 
 
+def test_the_same_state_loaded_twice_keeps_its_pin(grown):
+    # A trainer's restore, then the user's own load_state_dict: the second released the pin the
+    # first had adopted (the same file), and the resumed epoch's shards were left to eviction.
+    expected = _reference(grown, num_workers=0)
+    got, state = _cut(grown, 9, num_workers=0)
+    with make_torch_loader(grown, 8, shuffle_buffer=20, seed=3, num_workers=0) as loader:
+        loader.load_state_dict(state)
+        loader.load_state_dict(state)
+        assert [p["name"] for p in grown.pins()] == [state["pin"]["name"]]
+        assert got + _ids(loader) == expected
+    assert grown.pins() == []
+
+
 def test_set_epoch_to_another_epoch_drops_the_resume_and_its_pin(grown):
     _, state = _cut(grown, 5, num_workers=0)
     assert grown.stats().pins == 1
