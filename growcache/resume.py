@@ -756,6 +756,14 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
                        cache.path)
     kind = _check_layout(epochs, checked["plan"], warn=True, replan=replan)
     shards = checked["snapshot"]["shards"]
+    # A shard larger than the whole budget is never published, and a resume replays the shuffle
+    # of every window before its point: a damaged name of 10**13 records would stall it for good.
+    for index, (name, nbytes, _) in enumerate(shards):
+        if nbytes > cache.capacity:
+            raise ValueError(f"resume state field 'snapshot.shards[{index}]' names {name}, {nbytes} bytes: more than "
+                             f"the whole capacity of cache {cache.path} ({cache.capacity} bytes), so never one of its "
+                             "shards. The state is damaged, or the capacity was lowered since the save: raise it back "
+                             f"for the resume, or load {{'epoch': {checked['epoch']}}} to read that epoch afresh")
     present = {os.path.basename(s.path) for s in cache.list_shards()}
     skipped = set(checked["snapshot"]["skipped"])
     params = checked["plan"]

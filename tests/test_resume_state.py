@@ -90,6 +90,18 @@ def test_a_damaged_or_hostile_state_is_refused_naming_the_field(epochs, state, p
     assert epochs.resume is None
 
 
+def test_a_saved_shard_larger_than_the_cache_is_refused_not_replayed(epochs, state):
+    # Passed whole by the saved progress, a shard gone from the cache is not needed, but the
+    # resume replays one shuffle draw per window before its point: 10**13 records stalled it.
+    records, nbytes = 10**13, 10**18 - 1
+    hostile = copy.deepcopy(state)
+    hostile["snapshot"]["shards"].append([f"000000000777-{records}r-{nbytes}b.tfrecord", nbytes, records])
+    hostile["progress"] = 10**12
+    with pytest.raises(ValueError, match=r"'snapshot.shards\[3\]' .* more than the whole capacity of cache"):
+        load_state(epochs, hostile)
+    assert epochs.resume is None
+
+
 @pytest.mark.parametrize("hostile", [{}, [], None, "state", {"epoch": -1}, {"epoch": 3.9}, {"epoch": True},
                                      {"epoch": "3"}])
 def test_old_style_and_empty_states_are_checked_too(epochs, hostile):
