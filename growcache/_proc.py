@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -176,6 +177,44 @@ def is_alive(pid: int, start_time: int | None, host: str | None = None, heartbea
     if fields[0] in (b"Z", b"X"):  # exited, waiting to be reaped
         return False
     return start_time is None or int(fields[19]) == start_time
+
+
+_WATCHED: set[int] = set()
+_WATCHED_LOCK = threading.Lock()
+
+
+def exit_with(pid: int, start_time: int | None) -> None:
+    """End this process (``os._exit(0)``) as soon as process ``(pid, start_time)`` ends.
+
+    For a reader process whose training process is ``pid``: torch's watchdog watches a worker's
+    parent, which under ``forkserver`` is the fork server, and a SIGKILLed trainer left its
+    readers, and the shared-memory slabs they map, behind for good. A daemon thread waits on a
+    pidfd (Linux 5.3+: no polling, immune to pid reuse), else probes the pid every second.
+    Once per process and pid; nothing when ``pid`` is this process.
+    """
+    with _WATCHED_LOCK:
+        if pid == os.getpid() or pid in _WATCHED:
+            return
+        _WATCHED.add(pid)
+    try:
+        handle: int | None = os.pidfd_open(pid)
+    except AttributeError:  # not Linux
+        handle = None
+    except OSError:  # gone already
+        os._exit(0)
+    if handle is not None and start_time is not None and process_start_time(pid) != start_time:
+        os._exit(0)  # the pid went to another process: the trainer is gone
+    threading.Thread(target=_exit_when_gone, args=(pid, start_time, handle), daemon=True,
+                     name=f"growcache-exit-with-{pid}").start()
+
+
+def _exit_when_gone(pid: int, start_time: int | None, handle: int | None) -> None:
+    if handle is not None:
+        select.select([handle], [], [])  # readable once the process has ended
+    else:
+        while is_alive(pid, start_time):
+            time.sleep(1.0)
+    os._exit(0)
 
 
 # -- heartbeats ---------------------------------------------------------------------------------

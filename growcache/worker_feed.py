@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._proc import exit_with, this_process
 from .batching import BatchReader, ReaderShare, Skipped
 from .device_release import remap_in_worker
 from .epoch import Epoch, Epochs
@@ -88,6 +89,7 @@ class WorkerFeed:
         self.slabs: list[Slab] = []
         self.remap = False  # forked readers map their (registered) slab afresh by name
         self._local: EpochMessage | None = None  # workers=0: taken once by the training process
+        self._trainer = this_process()  # readers end with it (see start_epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -128,6 +130,7 @@ class WorkerFeed:
             The started :class:`~growcache.epoch.Epoch` and ``start_readers()``'s result.
         """
         epoch = epochs.start()
+        self._trainer = this_process()  # the process that iterates, whoever made the feed
         try:
             if self.workers and not self.slabs:
                 # Made here, before the readers start: a reader killed by any signal then owns
@@ -205,6 +208,7 @@ class WorkerFeed:
         else:
             if generation == 0 or worker >= self.workers or self._counters[1 + worker] >= generation:
                 raise ForeignLoaderError()
+            exit_with(*self._trainer)  # torch's own watchdog misses a trainer killed under forkserver
             message = self._receive(worker, generation)
             self._counters[1 + worker] = message.generation
             slab = remap_in_worker(self.slabs[worker]) if self.remap else self.slabs[worker]

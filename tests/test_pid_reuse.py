@@ -123,3 +123,46 @@ def test_an_owner_whose_pid_went_to_another_users_process_is_dead():
     done = subprocess.run([sys.executable, "-c", _PROBE_AS_ANOTHER_USER], capture_output=True, text=True, timeout=60,
                           cwd="/")
     assert done.stdout.split() == ["True", "False"], done.stderr
+
+
+_EXITS_WITH = """
+import os, sys, time
+if sys.argv[3] == "probe":
+    del os.pidfd_open  # as on a system without pidfds: the pid is probed every second
+from growcache._proc import exit_with
+exit_with(int(sys.argv[1]), int(sys.argv[2]) if sys.argv[2] != "None" else None)
+print("watching", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["pidfd", "probe"])
+def test_exit_with_ends_the_process_once_the_watched_one_ends(how):
+    # What a DataLoader worker does with its trainer (tests/torch/test_trainer_killed.py).
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = subprocess.Popen([sys.executable, "-c", _EXITS_WITH, str(watched.pid),
+                                str(_proc.process_start_time(watched.pid)), how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        time.sleep(1.5)
+        assert watcher.poll() is None, "exited while the watched process lives"
+        watched.kill()
+        watched.wait()
+        assert watcher.wait(timeout=10) == 0
+    finally:
+        for process in (watched, watcher):
+            process.kill()
+            process.wait()
+        watcher.stdout.close()
+
+
+def test_exit_with_a_pid_that_went_to_another_process_ends_at_once():
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wrong_start = _proc.process_start_time(other.pid) - 1  # the trainer that had this pid is gone
+        watcher = subprocess.run([sys.executable, "-c", _EXITS_WITH, str(other.pid), str(wrong_start), "pidfd"],
+                                 capture_output=True, text=True, timeout=30)
+        assert watcher.returncode == 0 and "watching" not in watcher.stdout
+    finally:
+        other.kill()
+        other.wait()
