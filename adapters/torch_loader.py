@@ -30,7 +30,7 @@ from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
 from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, keep_pin, release_kept_pins
 from growcache.transport import COPY_BELOW, SlotHandle
-from growcache.worker_feed import WorkerFeed
+from growcache.worker_feed import Unslotted, WorkerFeed
 
 __all__ = ["make_torch_loader", "tfrecord_frames"]
 
@@ -49,6 +49,8 @@ _FRAMES = {"tfrecord": tfrecord_frames, "growcache": growcache_frames}
 def _to_transport(item: Any) -> Any:
     # collate_fn, in the worker: a batch of numpy arrays (no free slot) becomes tensors, which
     # DataLoader sends through torch's own shared memory.
+    if isinstance(item, Unslotted):
+        return item._replace(arrays=_to_transport(item.arrays))
     if isinstance(item, dict):
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
     return item
@@ -223,7 +225,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         try:
             for batch in self._meter.timed(batches if self._delivery is None else self._delivery.batches(batches),
                                            epoch):
-                epoch.consume(round_robin=round_robin)
+                epoch.consume(round_robin=round_robin, reader=self._stream.feed.handed_over())
                 yield batch
             finished = True
         finally:

@@ -34,6 +34,7 @@ that pulls from its own threads).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -58,7 +59,8 @@ from .errors import (
     SchemaError,
     SchemaMismatchError,
 )
-from .planning import EpochPlan, ReadPoints, plan_epoch, read_points, reader_seed
+from .planning import (EpochPlan, ReadPoints, consumed_when, plan_epoch, read_points, reader_seed,
+                       round_robin_progress)
 from .readers import ReaderSpec
 from .records import check_named_size, check_records
 from .schema import Schema
@@ -107,6 +109,8 @@ _POLL_S = 0.05
 DEFAULT_MAX_OPEN = 4
 #: A lease trim (Epoch.consume) is followed by at least this many times its own duration without one.
 _TRIM_SPACING = 50.0
+#: Batches taken out of order whose readers an epoch remembers (see Epoch.resumable).
+_RECENT = 16
 
 
 def node_name() -> str:
@@ -782,6 +786,11 @@ class Epoch:
         self._points: ReadPoints | None = None
         self._next_trim = 0  # consumed count at which the lease may next hold fewer shards
         self._trim_after = 0.0  # time.monotonic() before which no trim runs (see consume)
+        # Taken out of order (DataLoader(in_order=False)): the batches each reader had delivered,
+        # and the readers of the last few taken, for what a resume may skip (see resumable).
+        self._delivered: list[int] | None = None
+        self._known = 0  # batches consumed when the out-of-order count began
+        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT)
 
     @property
     def number(self) -> int:
@@ -847,7 +856,7 @@ class Epoch:
     def _next_change(self) -> int:
         return self.read_points().next_change(self.consumed)
 
-    def consume(self, batches: int = 1, *, round_robin: bool = True) -> None:
+    def consume(self, batches: int = 1, *, round_robin: bool = True, reader: int | None = None) -> None:
         """Count ``batches`` handed to the training loop in :attr:`consumed`.
 
         Taken round-robin from the readers (a ``DataLoader``'s order), once they pass the last read
@@ -858,10 +867,20 @@ class Epoch:
         the loop's time.
 
         Args:
-            round_robin: ``False``: taken in another order (``DataLoader(in_order=False)``), which
-                says nothing of each reader's progress: only counted, the lease holds on.
+            round_robin: ``False``: taken in another order (``DataLoader(in_order=False)``): the
+                lease holds on, and a state saved in the epoch resumes at :meth:`resumable`.
                 Default: ``True``.
+            reader: the reader that delivered the batches, where ``round_robin`` is ``False``.
         """
+        if not round_robin:
+            if self._delivered is None:  # from the epoch's (or the resume's) round-robin start
+                self._delivered = round_robin_progress(self.read_points().counts, self.consumed)[0]
+                self._known = self.consumed
+            if reader is not None and 0 <= reader < len(self._delivered):
+                self._delivered[reader] += batches
+                self._recent.extend([reader] * min(batches, _RECENT))
+            else:  # a reader unknown: a resume re-reads from the last point known
+                self._delivered, self._recent = [], collections.deque(maxlen=_RECENT)
         self.consumed += batches
         if round_robin and self.consumed >= self._next_trim:
             now = time.monotonic()
@@ -871,6 +890,28 @@ class Epoch:
             self.hold_only(self.left())
             self._next_trim = self._next_change()
             self._trim_after = now + _TRIM_SPACING * (time.monotonic() - now)
+
+    def resumable(self, consumed: int | None = None) -> int:
+        """The most batches a resume from this epoch may take as delivered, after ``consumed``
+        batches taken (default and most: :attr:`consumed`).
+
+        Taken round-robin, ``consumed`` itself. Taken out of order, the most batches taken
+        round-robin after which no reader had delivered more than it has: a resume re-reads the
+        batches taken past that point, and never skips one not taken. ``consumed`` below
+        :attr:`consumed` takes back the readers of the batches after it (a trainer that fetched
+        ahead of its steps), up to the last few.
+        """
+        taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
+        if self._delivered is None:
+            return taken
+        delivered = list(self._delivered)
+        back = self.consumed - taken
+        if not delivered or back > len(self._recent):
+            return min(taken, self._known)  # where the out-of-order count began
+        for reader in list(self._recent)[len(self._recent) - back:]:
+            delivered[reader] -= 1
+        counts = self.read_points().counts
+        return min([taken] + [consumed_when(counts, r, d + 1) - 1 for r, d in enumerate(delivered)])
 
     @property
     def held(self) -> frozenset[int]:

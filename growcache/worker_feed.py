@@ -26,13 +26,14 @@ unlocked shared integers with one writer each.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._proc import exit_with, this_process
 from .batching import BatchReader, ReaderShare, Skipped
@@ -55,6 +56,14 @@ class EpochMessage:
     generation: int
     share: ReaderShare
     held: list[tuple[int, int]]  # (slot, token) of the batches the trainer still holds
+
+
+class Unslotted(NamedTuple):
+    """A reader process's batch that found no free slot: its arrays, sent the framework's way,
+    with the reader that read it (the slot handle of every other batch names it)."""
+
+    reader: int
+    arrays: Any
 
 
 @dataclass
@@ -89,11 +98,12 @@ class WorkerFeed:
         self.slabs: list[Slab] = []
         self.remap = False  # forked readers map their (registered) slab afresh by name
         self._local: EpochMessage | None = None  # workers=0: taken once by the training process
+        self._readers: collections.deque[int] = collections.deque()  # of the batches received, not handed over
         self._trainer = this_process()  # readers end with it (see start_epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_outboxes=[], _senders=[], _stop=None, _local=None)
+        state.update(_outboxes=[], _senders=[], _stop=None, _local=None, _readers=collections.deque())
         return state
 
     @property
@@ -131,6 +141,7 @@ class WorkerFeed:
         """
         epoch = epochs.start()
         self._trainer = this_process()  # the process that iterates, whoever made the feed
+        self._readers.clear()
         try:
             if self.workers and not self.slabs:
                 # Made here, before the readers start: a reader killed by any signal then owns
@@ -175,8 +186,16 @@ class WorkerFeed:
         Notes skipped shards in ``epochs`` (:meth:`~growcache.epoch.Epochs.note_skipped`)
         and raises a reader's error as itself.
         """
+        readers = self._readers
         for item in items:
-            if isinstance(item, (SlotHandle, dict)):
+            if isinstance(item, SlotHandle):
+                readers.append(item.slab)
+                yield item
+            elif isinstance(item, Unslotted):
+                readers.append(item.reader)
+                yield item.arrays
+            elif isinstance(item, dict):  # read in the training process: its one reader
+                readers.append(0)
                 yield item
             elif isinstance(item, Skipped):
                 epochs.note_skipped(item)
@@ -190,6 +209,12 @@ class WorkerFeed:
         self._stop()
         for slab in self.slabs:
             slab.unlink()
+
+    def handed_over(self) -> int | None:
+        """The reader of the oldest batch :meth:`received` gave and the adapter had not yet
+        handed to the training loop (``None``: none), called once per batch handed over, in
+        order: :meth:`growcache.epoch.Epoch.consume` counts it for that reader."""
+        return self._readers.popleft() if self._readers else None
 
     # -- reader process -----------------------------------------------------------------------
     def read(self, worker: int | None, generation: int, reader: BatchReader) -> Iterator[Any]:
@@ -221,7 +246,7 @@ class WorkerFeed:
                     yield item
                 else:
                     handle, arrays = item
-                    yield arrays if handle is None else handle
+                    yield handle if handle is not None else arrays if worker is None else Unslotted(worker, arrays)
         except GrowcacheError as exc:
             if worker is None:
                 raise

@@ -301,3 +301,32 @@ def test_a_damaged_resume_note_of_another_rank_is_a_disagreement_not_a_traceback
     assert disagreement([good, good], group, collective=False) == ""
     for notes in ([good, damaged], [damaged, damaged], [damaged, ""]):
         assert "damaged resume note" in disagreement(notes, group, collective=False), notes
+
+
+def test_batches_taken_out_of_order_resume_where_every_reader_had_delivered_in_turn(id_cache, caplog):
+    # DataLoader(in_order=False): a state's progress was split over the readers round-robin as if
+    # taken in turn, so a resume skipped batches a slow reader never delivered (and repeated others).
+    write_shards(id_cache, [16, 16, 16, 16])  # two readers, 8 batches each, taken in turn: 0 1 0 1 ...
+    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    epoch = epochs.start()
+    assert epoch.read_points().counts == (8, 8)
+    for reader in (1, 1, 1, 0):  # reader 0 slow: reader 1 delivered 3 while reader 0 delivered 1
+        epoch.consume(round_robin=False, reader=reader)
+    with caplog.at_level("WARNING", logger="growcache.resume"):
+        state = loader_state(epochs, epoch)
+        loader_state(epochs, epoch)
+    assert state["progress"] == 2  # 0 1: after a third, reader 0 would have delivered 2
+    assert len([r for r in caplog.records if "out of order" in r.getMessage()]) == 1  # once per epoch
+    assert loader_state(epochs, epoch, consumed=3)["progress"] == 0  # the last, reader 0's, not trained on
+    epoch.consume(round_robin=False, reader=0)
+    epoch.consume(round_robin=False, reader=0)
+    assert loader_state(epochs, epoch)["progress"] == 6  # 3 each: in turn again
+    epoch.consume(round_robin=False, reader=None)  # a reader unknown: the count's start is what is known
+    assert loader_state(epochs, epoch)["progress"] == 0
+    epoch.end()
+
+    in_turn = epochs.start()
+    for reader in (0, 1, 0):
+        in_turn.consume(reader=reader)
+    assert loader_state(epochs, in_turn)["progress"] == 3
+    in_turn.end()

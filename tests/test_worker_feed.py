@@ -74,3 +74,20 @@ def test_an_abandoned_epoch_keeps_its_shards_until_the_readers_are_reset(tmp_pat
     finally:
         epochs.end_all()
         feed.close()
+
+
+def test_the_feed_knows_the_reader_of_every_batch_it_hands_over(id_cache):
+    # What Epoch.consume counts per reader where batches are taken out of order: a slot batch
+    # names its slab, a batch that found no free slot carries its reader, one read in the
+    # training process is reader 0's; a skipped shard's note is no batch.
+    from growcache.batching import Skipped
+    from growcache.transport import SlotHandle
+    from growcache.worker_feed import Unslotted
+
+    feed = WorkerFeed(multiprocessing.get_context("spawn"), 2)
+    epochs = Epochs(id_cache, EpochOptions(4), readers=2)
+    arrays = {"id": np.zeros(4, np.int64)}
+    items = [SlotHandle(1, 0, 7, 4), Skipped("x.tfrecord", 0, "bad", 3), Unslotted(0, arrays), arrays]
+    got = list(feed.received(items, epochs))
+    assert got == [items[0], arrays, arrays]
+    assert [feed.handed_over() for _ in range(4)] == [1, 0, 0, None]

@@ -142,6 +142,31 @@ def test_the_same_state_loaded_twice_keeps_its_pin(grown):
     assert grown.pins() == []
 
 
+def _slow_first_worker(worker_id: int) -> None:
+    if worker_id == 0:
+        time.sleep(3)  # a cold disk, a busy core: the other worker's batches overtake its own
+
+
+def test_batches_taken_out_of_order_resume_with_none_lost(id_cache, caplog):
+    # DataLoader(in_order=False): the saved progress was split over the workers as if taken in
+    # turn, and the resume never delivered the slow worker's first batches.
+    write_shards(id_cache, [24, 24])
+    options = dict(num_workers=2, shuffle_buffer=0, in_order=False, persistent_workers=False)
+    with make_torch_loader(id_cache, 4, worker_init_fn=_slow_first_worker, **options) as cut:
+        before = []
+        for step, batch in enumerate(cut, 1):
+            before += batch["id"].tolist()
+            if step == 4:
+                with caplog.at_level(logging.WARNING, logger="growcache.resume"):
+                    state = json.loads(json.dumps(cut.state_dict()))
+                break
+    with make_torch_loader(id_cache, 4, **options) as resumed:
+        resumed.load_state_dict(state)
+        rest = [i for batch in resumed for i in batch["id"].tolist()]
+    assert sorted(set(before) | set(rest)) == list(range(48)) and len(rest) == len(set(rest))
+    assert state["progress"] < 4 and "out of order" in caplog.text  # the fast worker's batches are read again
+
+
 def test_set_epoch_to_another_epoch_drops_the_resume_and_its_pin(grown):
     _, state = _cut(grown, 5, num_workers=0)
     assert grown.stats().pins == 1
