@@ -28,6 +28,7 @@ import functools
 import io
 import math
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,8 +108,9 @@ class ObjectSource(StoreSource):
         decoder: ``".npy"`` (``numpy.load``, no pickles), ``"raw"`` (bytes as ``dtype`` and
             ``shape``), or a callable ``decode(data: bytes, path: str)`` that returns an
             array or a dict of arrays; ``path`` is the object's store path (for labels).
-            A sampler with ``concurrency > 1`` may call it from several threads at once
-            (local files) or in its event loop (s3, gs, http). Default: ``".npy"``.
+            It is called once at a time, unless it has ``thread_safe = True`` (an attribute of
+            the function or its class): then a sampler with ``concurrency > 1`` may call it from
+            several threads at once (local files). Default: ``".npy"``.
         feature: the feature name an array result is stored under. Default: ``"x"``.
         dtype: element type of ``"raw"`` objects.
         shape: shape of ``"raw"`` objects.
@@ -140,6 +142,8 @@ class ObjectSource(StoreSource):
                 raise ValueError(f"unknown decoder {decoder!r}: use '.npy', 'raw' or a callable decode(data, path)")
         elif not callable(decoder):
             raise TypeError(f"decoder must be '.npy', 'raw' or a callable, got {type(decoder).__name__}")
+        elif not getattr(decoder, "thread_safe", False):
+            decoder = _OneAtATime(decoder)
         self.decoder = decoder
         self.feature = feature
 
@@ -170,6 +174,30 @@ class ObjectSource(StoreSource):
         if isinstance(result, Mapping):
             return dict(result)
         return {self.feature: result}
+
+
+class _OneAtATime:
+    """A user's decoder that did not declare ``thread_safe = True``: one call at a time, as
+    samplers called it before they kept requests in flight (a pool of threads fetches local
+    files, and each decoded what it fetched)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self._lock = threading.Lock()
+
+    @property
+    def __name__(self) -> str:  # shown in messages and repr
+        return getattr(self.decoder, "__name__", repr(self.decoder))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"decoder": self.decoder}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.decoder, self._lock = state["decoder"], threading.Lock()
+
+    def __call__(self, data: bytes, path: str) -> Any:
+        with self._lock:
+            return self.decoder(data, path)
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,32 @@ def test_a_user_source_runs_concurrently_only_when_declared(tmp_path, thread_saf
         assert most == 1, "a source that did not declare itself thread-safe is never called concurrently"
 
 
+def counting_decode(data: bytes, path: str) -> np.ndarray:
+    """An ObjectSource decoder marking each sample with how many of its calls ran at once."""
+    return counting_sample(np.random.default_rng(len(data)))["x"]
+
+
+class SafeCountingDecode:
+    thread_safe = True  # declared: a sampler may call it from several threads at once
+
+    def __call__(self, data: bytes, path: str) -> np.ndarray:
+        return counting_decode(data, path)
+
+
+@pytest.mark.parametrize("thread_safe", [False, True])
+def test_a_user_decoder_of_an_object_source_runs_concurrently_only_when_declared(tmp_path, thread_safe):
+    # Local files are read by a pool of threads, and each ran the user's decoder: one written for
+    # a sampler that called it once at a time could break silently on upgrade.
+    store = tmp_path / "objects"
+    store.mkdir()
+    for i in range(20):
+        (store / f"{i}.bin").write_bytes(bytes(64 + i))
+    source = ObjectSource(str(store / "*.bin"), decoder=SafeCountingDecode() if thread_safe else counting_decode)
+    cache, _ = _sample_all(tmp_path, "c", source, workers=1, concurrency=16, count=150)
+    most = max(np.frombuffer(r, dtype=np.int64)[0] for r in _records(cache))
+    assert (most > 1) if thread_safe else (most == 1), most
+
+
 class MarkedWindows(NpyWindowSource):
     """A user's subclass of a store source that overrides ``sample`` (and declares nothing): it
     marks each window with how many of its calls ran at once (most seen, this process)."""
