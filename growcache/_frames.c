@@ -314,15 +314,19 @@ static PyObject *place(PyObject *self, PyObject *args) {
     const Segment *segments = segments_buf.buf;
     Py_ssize_t nsegments = segments_buf.len / (Py_ssize_t)sizeof(Segment);
     const uint64_t *rows = rows_buf.buf;
+    /* Every product and sum below is checked before it is formed: a Python caller's plan
+       (never the file's bytes, which are only compared with the template) could wrap them. */
     if (frame < HEADER_BYTES + FOOTER_BYTES || segments_buf.len % (Py_ssize_t)sizeof(Segment) ||
-        count < 0 || columns < 0 || rows_buf.len < (Py_ssize_t)(count * columns * 8) ||
-        scratch_buf.len < 1) {
+        count < 0 || columns < 0 || first_offset < 0 ||
+        (columns && count > PY_SSIZE_T_MAX / 8 / columns) || rows_buf.len < count * columns * 8 ||
+        (uint64_t)count > (uint64_t)(INT64_MAX - first_offset) / frame || scratch_buf.len < 1) {
         PyErr_SetString(PyExc_ValueError, "place(): inconsistent frame plan");
         goto done;
     }
     for (Py_ssize_t s = 0; s < nsegments; s++) {
         const Segment *seg = &segments[s];
-        if (seg->start < HEADER_BYTES || seg->length < 0 ||
+        if (seg->start < HEADER_BYTES || seg->length < 0 || (size_t)seg->start > frame ||
+            (size_t)seg->length > frame - (size_t)seg->start ||
             (size_t)(seg->start + seg->length) > frame - FOOTER_BYTES || seg->column >= columns) {
             PyErr_SetString(PyExc_ValueError, "place(): a segment lies outside the record");
             goto done;

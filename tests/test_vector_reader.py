@@ -424,6 +424,29 @@ def test_fused_loop_places_and_checks_payloads_at_every_row_alignment(tmp_path, 
     assert place() == (3, vector_reader._BAD_CRC)
 
 
+def test_the_fused_loop_refuses_a_plan_whose_sizes_would_wrap(tmp_path):
+    # Only a Python caller's plan can hold such numbers (file bytes are compared, never trusted),
+    # but a wrapped product passed the bounds checks: the loop then ran on, or wrote past `rows`.
+    if not vector_reader.FUSED:
+        _fused_loop_unavailable()
+    fixed = vector_reader._FixedFrames(ExampleCodec(ID_SCHEMA))
+    _, scratch = vector_reader._aligned(1 << 16)
+    (tmp_path / "empty").write_bytes(b"")  # the old loop ended here, placing nothing, instead of refusing
+    plans = {
+        "count * columns * 8": (0, 2**61, 1, np.zeros(2, np.uint64).tobytes()),  # 2**64: 0
+        "count * frame": (0, 2**64 // fixed.frame + 1, 0, b""),
+        "offset + count * frame": (2**62, 2**62 // fixed.frame + 1, 0, b""),
+    }
+    fd = os.open(tmp_path / "empty", os.O_RDONLY)
+    try:
+        for what, (offset, count, columns, addresses) in plans.items():
+            with pytest.raises(ValueError, match="inconsistent frame plan"):
+                vector_reader._frames.place(fd, offset, count, fixed.template, fixed.segments, columns, addresses,
+                                            scratch, True)
+    finally:
+        os.close(fd)
+
+
 def _foreign_record(codec: ExampleCodec, sample: dict) -> bytes:
     """The same Example with its features in reverse order, as other writers may emit it."""
     def entry(key: bytes, payload: bytes) -> bytes:
