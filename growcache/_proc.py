@@ -51,6 +51,13 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19]) if fields else None
 
 
+@functools.lru_cache(maxsize=1)
+def start_times_known() -> bool:
+    """Whether this platform tells a process's start time (Linux's ``/proc``): where it does
+    not, owners are stored without one, and only the pid identifies them."""
+    return process_start_time(os.getpid()) is not None
+
+
 def this_process() -> tuple[int, int | None]:
     """``(pid, start time)`` of the calling process."""
     pid = os.getpid()

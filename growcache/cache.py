@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, BinaryIO
 
 from filelock import FileLock
 
@@ -31,8 +31,8 @@ from .errors import (
 from .batching import other_schema
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
-from .manifest import FORMAT_VERSION, METADATA_FILE, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
-from .records import check_records, compressed_file_message, detect_compression, iter_records
+from .manifest import FORMAT_VERSION, METADATA_FILE, PIN_NAME, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
+from .records import _FrameReader, compressed_file_message, detect_compression, iter_records
 from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
 from .shard import MIN_RECORD_BYTES, ShardInfo, impossible_name, scan_shards
@@ -348,7 +348,13 @@ class Cache:
     def unpin(self, name: str) -> bool:
         """Release the pin ``name`` (shards only it kept beyond the budget go now); whether it was there."""
         with self._locked():
-            gone = self._manifest.release_pin(name)
+            if not PIN_NAME.match(name) and name in {pin["name"] for pin in self.pins()}:
+                # A lease with an ``until`` under another name (growcache writes none) pins its shards as a
+                # pin does, so it is dropped as one. Only names the listing gave are used: no path escapes.
+                self._manifest.check_layout()
+                gone = _unlink_quiet(os.path.join(self._manifest.leases_dir, name))
+            else:
+                gone = self._manifest.release_pin(name)
         self._trim_after_lease()
         return gone
 
@@ -372,7 +378,9 @@ class Cache:
         try:
             with self._locked():
                 self._trim_to_budget()
-        except OSError as exc:  # ending an epoch must not fail on a full disk or a lock problem
+        except (OSError, CacheFormatError) as exc:
+            # Ending an epoch must not fail on a full disk, a lock problem or damaged metadata: the
+            # next publish or snapshot meets the same problem and raises it, naming the file.
             logger.warning("could not trim cache %s to its budget after a snapshot closed (%s); "
                            "the next publish or snapshot will", self.path, exc)
 
@@ -783,9 +791,15 @@ class Cache:
         for shard in listing.shards:
             count = 0
             try:
-                count = check_records(shard.path, expected=shard.records)
-                if self.schema is not None:
-                    check_schema_of(shard.path, self.schema)
+                file = _open_listed(shard.path)
+                if file is None:  # swapped for a link, a FIFO or a directory since the listing
+                    report.irregular.append(shard.path)
+                    continue
+                with file:
+                    reader = _FrameReader(file, shard.path, shard.records, None)
+                    count = sum(1 for _ in reader.frames(verify=True, whole=False))
+                    if self.schema is not None:
+                        check_schema_of(shard.path, self.schema, file=file)
             except FileNotFoundError:
                 continue  # evicted while we read: not corrupt
             except CorruptShardError as exc:
@@ -798,7 +812,7 @@ class Cache:
             with self._locked():
                 leased = self._leased_seqs()
                 bad = {c.path for c in report.corrupt}
-                present = [s for s in self.list_shards() if s.path in bad]
+                present = _sized([s for s in self.list_shards() if s.path in bad])
                 victims = [s for s in present if s.seq not in leased]
                 self._delete(victims)
                 report.removed = [v.path for v in victims]
@@ -806,8 +820,8 @@ class Cache:
         return report
 
 
-def check_schema_of(path: str, schema: Schema) -> None:
-    """Check that the first record of shard ``path`` follows ``schema``.
+def check_schema_of(path: str, schema: Schema, *, file: BinaryIO | None = None) -> None:
+    """Check that the first record of shard ``path`` (read from ``file`` if given) follows ``schema``.
 
     A shard of another schema (copied into ``shards/`` by hand, say) has valid CRCs, so only
     its records tell: it is a corrupt shard of this cache, named with the offset and the
@@ -821,7 +835,9 @@ def check_schema_of(path: str, schema: Schema) -> None:
     # bytes for 8) and a little framing: a record four times that long is of another schema.
     bound = 4 * schema.record_payload_bytes + (1 << 20)
     checker = RecordChecker(ExampleCodec(schema), "the record")
-    for offset, record in iter_records(path, verify=False, max_record_bytes=bound):
+    records = (iter_records(path, verify=False, max_record_bytes=bound) if file is None
+               else _FrameReader(file, path, None, bound).frames(verify=False, whole=True))
+    for offset, record in records:
         try:
             checker.check(record, offset)
             checker.flush()
@@ -861,6 +877,30 @@ def _sized(shards: list[ShardInfo], *, warn: bool = False) -> list[ShardInfo]:
             shard = replace(shard, records=records, nbytes=size)
         sized.append(shard)
     return sized
+
+
+def _open_listed(path: str) -> BinaryIO | None:
+    """The listed shard ``path`` opened for reading (unbuffered); ``None`` if it is no longer a
+    regular file.
+
+    Every check of the shard then reads what was opened here: an entry swapped for a link or a
+    FIFO after the listing is neither followed out of the cache nor waited on forever.
+
+    Raises:
+        FileNotFoundError: the shard is gone (evicted since the listing).
+    """
+    try:
+        # O_NONBLOCK: opening a FIFO must not hang; its type is checked right after.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link
+            return None
+        raise
+    file = os.fdopen(fd, "rb", buffering=0)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        file.close()
+        return None
+    return file
 
 
 def _give_back(tmp: str, moved_from: str | None, times: os.stat_result) -> None:

@@ -175,6 +175,23 @@ def test_leased_shards_survive_and_closing_the_snapshot_trims_to_budget(tmp_path
     snapshot.close()  # idempotent
 
 
+def test_closing_a_snapshot_over_damaged_metadata_warns_and_never_raises(tmp_path, caplog):
+    cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
+    write_shards(cache, [10])
+    snapshot = cache.snapshot()
+    meta_path = os.path.join(cache.path, "growcache.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["capacity"] = "lots"  # damaged while the epoch ran
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    snapshot.close()
+    assert not snapshot.leased and os.listdir(os.path.join(cache.path, "leases")) == []
+    assert "could not trim cache" in caplog.text and "growcache.json" in caplog.text
+    with pytest.raises(CacheFormatError, match="growcache.json"):
+        cache.snapshot()  # the next use reports the damage
+
+
 def test_a_garbage_collected_snapshot_is_trimmed_by_the_next_snapshot(tmp_path):
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
@@ -395,6 +412,53 @@ def test_verify_lists_foreign_files(id_cache):
         f.write(os.urandom(100))
     report = id_cache.verify()
     assert report.ok and report.foreign == [junk] and len(id_cache.list_shards()) == 1
+
+
+def test_verify_remove_corrupt_counts_the_bytes_on_disk_not_the_names(id_cache):
+    write_shards(id_cache, [5])
+    cut = id_cache.list_shards()[0]
+    os.truncate(cut.path, 10)
+    liar = os.path.join(id_cache.shards_dir, f"{cut.seq + 1:012d}-1r-999999999999999999b.tfrecord")
+    with open(liar, "wb") as f:
+        f.write(b"junk" * 4)
+    before = id_cache.stats()
+    report = id_cache.verify(remove_corrupt=True)
+    assert sorted(report.removed) == sorted([cut.path, liar])
+    after = id_cache.stats()
+    assert (after.evicted - before.evicted, after.evicted_bytes - before.evicted_bytes) == (2, 10 + 16)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_verify_never_follows_or_waits_on_a_shard_swapped_after_the_listing(id_cache, tmp_path, monkeypatch, kind):
+    import growcache.cache
+
+    write_shards(id_cache, [5])
+    shard = id_cache.list_shards()[0]
+    outside = str(tmp_path / "outside.tfrecord")
+    os.rename(shard.path, outside)  # a valid shard: followed, it would verify as fine
+    with open(shard.path, "wb") as f, open(outside, "rb") as g:
+        f.write(g.read())
+    listed = growcache.cache.scan_shards
+
+    def listing_then_swap(path):  # the race with whoever may write shards/, made certain
+        listing = listed(path)
+        os.unlink(shard.path)
+        os.symlink(outside, shard.path) if kind == "symlink" else os.mkfifo(shard.path)
+        return listing
+
+    monkeypatch.setattr(growcache.cache, "scan_shards", listing_then_swap)
+    reports = []
+    verifying = threading.Thread(target=lambda: reports.append(id_cache.verify()), daemon=True)
+    verifying.start()
+    verifying.join(10)
+    if verifying.is_alive():  # blocked opening the FIFO: a writer end lets it go
+        os.close(os.open(shard.path, os.O_WRONLY | os.O_NONBLOCK))
+        verifying.join(10)
+        pytest.fail("verify waited for a writer of a FIFO swapped in for a shard")
+    report, = reports
+    assert report.irregular == [shard.path] and not report.ok
+    assert report.shards == 0 and report.corrupt == []
+    assert os.path.lexists(shard.path) and os.path.exists(outside)
 
 
 def test_add_shard_checks_crc_and_schema_and_publishes(id_cache, tmp_path):

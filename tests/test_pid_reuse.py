@@ -166,3 +166,34 @@ def test_exit_with_a_pid_that_went_to_another_process_ends_at_once():
     finally:
         other.kill()
         other.wait()
+
+
+_NO_PROC = """
+import os, sys
+import numpy as np
+import growcache._proc as proc
+proc.process_start_time = lambda pid: None  # a platform without /proc (macOS, some sandboxes)
+from growcache import Cache
+cache = Cache(sys.argv[1], capacity=3000, schema={"x": ("uint8", (100,))})
+
+def shard():
+    with cache.writer() as writer:
+        for _ in range(5):
+            writer.write({"x": np.zeros(100, np.uint8)})
+
+shard()
+first = cache.list_shards()[0]
+snapshot = cache.snapshot()  # a live reader's lease, written with start_time null
+for _ in range(6):  # samplers publish past the budget
+    shard()
+print(os.path.exists(first.path), os.path.exists(snapshot._lease_path))
+"""
+
+
+def test_a_live_lease_without_start_time_holds_where_the_platform_tells_none(tmp_path):
+    # Leases of such a platform store start_time null; they were read as damaged, removed at the
+    # next publish, and eviction deleted the shards their reader was reading.
+    run = subprocess.run([sys.executable, "-c", _NO_PROC, str(tmp_path / "c")], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True"]

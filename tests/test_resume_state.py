@@ -255,6 +255,22 @@ def test_status_shows_the_pins_and_prune_drops_a_named_one(id_cache, capsys):
     assert id_cache.list_shards() == [] and id_cache.pins() == []
 
 
+def test_prune_unpin_all_drops_a_lease_with_an_until_under_another_name(id_cache, capsys):
+    from growcache import _proc
+    from growcache.cli import main
+
+    write_shards(id_cache, [5])
+    seq = id_cache.list_shards()[0].seq
+    path = os.path.join(id_cache.path, "leases", "1-abc.json")  # not written by growcache: no pin- name
+    with open(path, "w") as f:
+        json.dump({"pid": 1, "start_time": 1, "host": _proc.this_host(), "created": time.time(), "holder": "x",
+                   "seqs": [seq], "until": time.time() + 3600}, f)
+    assert [p["name"] for p in id_cache.pins()] == ["1-abc.json"]  # it pins its shard as a pin does
+    assert main(["prune", id_cache.path, "--to", "1", "--unpin", "all"]) == 0
+    assert "dropped pin 1-abc.json" in capsys.readouterr().out
+    assert not os.path.exists(path) and id_cache.pins() == [] and id_cache.list_shards() == []
+
+
 def test_a_state_before_the_first_epoch_leaves_the_group_unresolved(id_cache):
     write_shards(id_cache, [3])
     epochs = Epochs(id_cache, EpochOptions(4), world=lambda: (0, 1))
