@@ -205,11 +205,11 @@ def exit_with(pid: int, start_time: int | None) -> None:
         _WATCHED.add(pid)
     try:
         handle: int | None = os.pidfd_open(pid)
-    except AttributeError:  # not Linux
-        handle = None
-    except OSError:  # gone already
+    except ProcessLookupError:  # gone already
         os._exit(0)
-    if handle is not None and start_time is not None and process_start_time(pid) != start_time:
+    except (AttributeError, OSError):  # not Linux, a kernel before 5.3, a seccomp filter, no fd left
+        handle = None
+    if start_time is not None and process_start_time(pid) not in (start_time, None):
         os._exit(0)  # the pid went to another process: the trainer is gone
     threading.Thread(target=_exit_when_gone, args=(pid, start_time, handle), daemon=True,
                      name=f"growcache-exit-with-{pid}").start()
@@ -217,7 +217,10 @@ def exit_with(pid: int, start_time: int | None) -> None:
 
 def _exit_when_gone(pid: int, start_time: int | None, handle: int | None) -> None:
     if handle is not None:
-        select.select([handle], [], [])  # readable once the process has ended
+        waiting = select.poll()  # not select(): a forked worker's descriptors may pass 1024
+        waiting.register(handle, select.POLLIN)
+        while not waiting.poll():  # readable once the process has ended
+            pass
     else:
         while is_alive(pid, start_time):
             time.sleep(1.0)

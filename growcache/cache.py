@@ -896,11 +896,15 @@ def _open_listed(path: str) -> BinaryIO | None:
         if exc.errno == errno.ELOOP:  # a symbolic link
             return None
         raise
-    file = os.fdopen(fd, "rb", buffering=0)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        file.close()
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:  # a FIFO, a device, a directory
+        os.close(fd)
         return None
-    return file
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 def _give_back(tmp: str, moved_from: str | None, times: os.stat_result) -> None:

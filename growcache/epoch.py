@@ -876,6 +876,7 @@ class Epoch:
             if self._delivered is None:  # from the epoch's (or the resume's) round-robin start
                 self._delivered = round_robin_progress(self.read_points().counts, self.consumed)[0]
                 self._known = self.consumed
+            reader = self.planned_reader(reader)
             if reader is not None and 0 <= reader < len(self._delivered):
                 self._delivered[reader] += batches
                 self._recent.extend([reader] * min(batches, _RECENT))
@@ -890,6 +891,11 @@ class Epoch:
             self.hold_only(self.left())
             self._next_trim = self._next_change()
             self._trim_after = now + _TRIM_SPACING * (time.monotonic() - now)
+
+    def planned_reader(self, reader: int | None) -> int | None:
+        """The reader of the epoch's plan (of :meth:`read_points`) that reader process ``reader``
+        reads (``None``: unknown); a resumed epoch rotates them."""
+        return reader
 
     def resumable(self, consumed: int | None = None) -> int:
         """The most batches a resume from this epoch may take as delivered, after ``consumed``

@@ -589,9 +589,11 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
     expiry = lease.get("expiry")
     if not (_is_int(lease.get("pid")) and lease["pid"] > 0):
         problem = f"its pid is {lease.get('pid')!r}, not a positive integer"
-    elif not ((_is_int(start_time) and start_time >= 0) or (start_time is None and not _proc.start_times_known())):
-        # Without a start time any process that got the pid would keep the lease alive forever;
-        # only a platform that tells none (no /proc: its leases are written without one) has to.
+    elif not ((_is_int(start_time) and start_time >= 0) or (start_time is None and (
+            not _proc.start_times_known() or lease.get("host") not in (None, _proc.this_host())))):
+        # Without a start time any process here that got the pid would keep the lease alive
+        # forever. Only a platform that tells none (no /proc) writes leases without one, and
+        # another machine's lease lives by its heartbeat, whatever its pid.
         problem = f"its start_time is {start_time!r}, not an integer"
     elif not isinstance(lease.get("host") or "", str):
         problem = f"its host is {lease['host']!r}, not a string"

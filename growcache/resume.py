@@ -399,6 +399,11 @@ class _ResumedEpoch(Epoch):
             return parts[0]
         return self._saved_share((reader + self.rotation) % self.plan.workers)
 
+    def planned_reader(self, reader: int | None) -> int | None:
+        if reader is None or self.assignment is not None:  # re-planned: its progress is not saved anyway
+            return None
+        return (reader + self.rotation) % self.plan.workers  # as share() reads them
+
     def _exact(self) -> bool:
         return super()._exact() and not (self.gone is not None and self.gone.size) and self.parts is None
 

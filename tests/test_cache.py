@@ -305,14 +305,16 @@ def test_a_damaged_lease_expires_instead_of_pinning_or_blocking(tmp_path, lease,
     assert "1-damaged.json is damaged" in caplog.text
 
 
-def test_another_machines_lease_lives_while_its_heartbeat_does(tmp_path, caplog):
+@pytest.mark.parametrize("start_time", [1, None])  # None: a machine without /proc wrote it
+def test_another_machines_lease_lives_while_its_heartbeat_does(tmp_path, caplog, start_time):
     # On a filesystem several machines share, a remote holder's pid means nothing here: its
     # lease lives while its heartbeat (the file's mtime) is younger than the expiry.
     cache = Cache(tmp_path / "c", capacity=_shard_bytes(10) * 2, schema=ID_SCHEMA)
     write_shards(cache, [10, 10])
     lease_path = os.path.join(cache.path, "leases", "999999-remote.json")
     with open(lease_path, "w") as f:
-        json.dump({"pid": 999999, "start_time": 1, "host": "0ther0ne", "seqs": [1, 2], "holder": "remote"}, f)
+        json.dump({"pid": 999999, "start_time": start_time, "host": "0ther0ne", "seqs": [1, 2], "holder": "remote"},
+                  f)
     write_shards(cache, [10], first_id=100)
     assert [s.seq for s in cache.list_shards()] == [1, 2, 3], "the remote lease keeps its shards"
     assert os.path.exists(lease_path)
@@ -428,7 +430,7 @@ def test_verify_remove_corrupt_counts_the_bytes_on_disk_not_the_names(id_cache):
     assert (after.evicted - before.evicted, after.evicted_bytes - before.evicted_bytes) == (2, 10 + 16)
 
 
-@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 def test_verify_never_follows_or_waits_on_a_shard_swapped_after_the_listing(id_cache, tmp_path, monkeypatch, kind):
     import growcache.cache
 
@@ -443,10 +445,12 @@ def test_verify_never_follows_or_waits_on_a_shard_swapped_after_the_listing(id_c
     def listing_then_swap(path):  # the race with whoever may write shards/, made certain
         listing = listed(path)
         os.unlink(shard.path)
-        os.symlink(outside, shard.path) if kind == "symlink" else os.mkfifo(shard.path)
+        {"symlink": lambda: os.symlink(outside, shard.path), "fifo": lambda: os.mkfifo(shard.path),
+         "directory": lambda: os.mkdir(shard.path)}[kind]()
         return listing
 
     monkeypatch.setattr(growcache.cache, "scan_shards", listing_then_swap)
+    descriptors = len(os.listdir(f"/proc/{os.getpid()}/fd"))
     reports = []
     verifying = threading.Thread(target=lambda: reports.append(id_cache.verify()), daemon=True)
     verifying.start()
@@ -456,6 +460,8 @@ def test_verify_never_follows_or_waits_on_a_shard_swapped_after_the_listing(id_c
         verifying.join(10)
         pytest.fail("verify waited for a writer of a FIFO swapped in for a shard")
     report, = reports
+    if kind == "directory":
+        assert len(os.listdir(f"/proc/{os.getpid()}/fd")) == descriptors, "a descriptor was left open"
     assert report.irregular == [shard.path] and not report.ok
     assert report.shards == 0 and report.corrupt == []
     assert os.path.lexists(shard.path) and os.path.exists(outside)

@@ -129,6 +129,18 @@ _EXITS_WITH = """
 import os, sys, time
 if sys.argv[3] == "probe":
     del os.pidfd_open  # as on a system without pidfds: the pid is probed every second
+elif sys.argv[3] == "fd-past-1024":  # a forked worker that inherited many descriptors: select() fails
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    kept = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+elif sys.argv[3] in ("ENOSYS", "EPERM", "EMFILE"):  # a kernel before 5.3, a seccomp filter, no fd left
+    import errno
+
+    def pidfd_open(pid, flags=0):
+        raise OSError(getattr(errno, sys.argv[3]), "refused")
+
+    os.pidfd_open = pidfd_open
 from growcache._proc import exit_with
 exit_with(int(sys.argv[1]), int(sys.argv[2]) if sys.argv[2] != "None" else None)
 print("watching", flush=True)
@@ -136,7 +148,7 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("how", ["pidfd", "probe"])
+@pytest.mark.parametrize("how", ["pidfd", "probe", "fd-past-1024", "ENOSYS", "EPERM", "EMFILE"])
 def test_exit_with_ends_the_process_once_the_watched_one_ends(how):
     # What a DataLoader worker does with its trainer (tests/torch/test_trainer_killed.py).
     watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

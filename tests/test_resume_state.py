@@ -346,3 +346,23 @@ def test_batches_taken_out_of_order_resume_where_every_reader_had_delivered_in_t
         in_turn.consume(reader=reader)
     assert loader_state(epochs, in_turn)["progress"] == 3
     in_turn.end()
+
+
+def test_batches_taken_out_of_order_in_a_resumed_epoch_count_for_the_readers_it_rotated(id_cache):
+    # Resumed after one batch, reader process 1 reads the saved plan's reader 0 (the readers are
+    # rotated so that the next batch is the saved order's): counted as reader 1's, its batches
+    # made the state skip batches the saved reader 1 never delivered.
+    write_shards(id_cache, [12, 12])  # two readers, 3 batches each
+    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    epoch = epochs.start()
+    epoch.consume()
+    state = json.loads(json.dumps(loader_state(epochs, epoch)))
+    epoch.end()
+    resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    assert resumed.rotation == 1
+    resumed.consume(round_robin=False, reader=1)
+    resumed.consume(round_robin=False, reader=1)  # saved reader 0's second and third; reader 1 none
+    assert loader_state(resumed_epochs, resumed)["progress"] == 1
+    resumed.end()
