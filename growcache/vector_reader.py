@@ -684,9 +684,9 @@ class VectorReader(BatchReader):
                             if good:
                                 window.open()
                                 window.put_frames(frames[:good], fixed.payloads, layout_ok, fixed.record, shard, done)
-                    except CorruptShardError:
-                        # A malformed record among the piece's: those placed before it count, as
-                        # the record-by-record reader counts them.
+                    except (CorruptShardError, SchemaError):
+                        # A malformed record, or one of another schema, among the piece's: those
+                        # placed before it count, as the record-by-record reader counts them.
                         if window.placed > before:
                             self.records_fast += window.placed - before
                             yield window.placed - before

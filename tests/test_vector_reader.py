@@ -424,6 +424,26 @@ def test_fused_loop_places_and_checks_payloads_at_every_row_alignment(tmp_path, 
     assert place() == (3, vector_reader._BAD_CRC)
 
 
+@pytest.mark.parametrize("value", [0x07, 0xFF])  # a feature key renamed; a malformed key field
+def test_a_record_damaged_under_a_valid_crc_mid_piece_is_counted_as_the_record_reader_does(tmp_path, mode, value):
+    # The records of the piece placed before it count as read: the direct path counted them
+    # lost when the record was of another schema (Skipped.records 7 where the record reader said 6).
+    codec = ExampleCodec(ID_SCHEMA)
+    records = [codec.encode(id_sample(i)) for i in range(9)]
+    damaged = bytearray(records[3])
+    damaged[8] = value  # in the structure, not a payload: the first key's bytes
+    records[3] = bytes(damaged)
+    path = tmp_path / "x.tfrecord"
+    _write_frames(path, records)
+    named = tmp_path / f"000000000001-9r-{os.path.getsize(path)}b.tfrecord"
+    os.rename(path, named)
+    for batch_size, shuffle_buffer in ((2, 0), (2, 6), (3, 4)):
+        result, _ = compare(ID_SCHEMA, share_of([str(named)], [9]), batch_size=batch_size,
+                            shuffle_buffer=shuffle_buffer, on_corrupt="skip")
+        skipped = [item[1] for item in result if item[0] == "skipped"]
+        assert len(skipped) == 1 and skipped[0].records == 6, result
+
+
 def test_the_fused_loop_refuses_a_plan_whose_sizes_would_wrap(tmp_path):
     # Only a Python caller's plan can hold such numbers (file bytes are compared, never trusted),
     # but a wrapped product passed the bounds checks: the loop then ran on, or wrote past `rows`.
