@@ -331,10 +331,20 @@ class StoreSource(Source):
                 self._count(requests=1)
                 raise
             self._count(requests=1, nbytes=len(data))
-            return data
+            return self._in_range(path, data, start, end)
 
         # The URL and what was done are only spelled out for a message (thousands of reads a second).
         return self._io(_Reading(start, end), lambda: self._url(path), read)
+
+    def _in_range(self, path: str, data: bytes, start: int | None, end: int | None) -> bytes:
+        # A server that ignores Range answers 200 with the whole object: taken as the range, a
+        # file read in chunks came back once per chunk (every record imported again, each CRC valid).
+        if start is not None and end is not None and len(data) > end - start:
+            raise SourceError(
+                f"{self._url(path)} answered a read of bytes {start}-{end} with {len(data)} bytes: the store ignores "
+                "byte ranges (an HTTP server that answers Range with the whole object). Serve the files from one "
+                "that honours Range requests (S3, GCS, nginx, aiohttp's FileResponse)")
+        return data
 
     async def _afetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """:meth:`_fetch` through the async filesystem's ``_cat_file``, in the sampler's event loop."""
@@ -347,7 +357,7 @@ class StoreSource(Source):
                 self._count(requests=1)
                 raise
             self._count(requests=1, nbytes=len(data))
-            return data
+            return self._in_range(path, data, start, end)
 
         return await self._aio(_Reading(start, end), lambda: self._url(path), read)
 

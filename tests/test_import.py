@@ -251,3 +251,42 @@ def test_an_imported_piece_waiting_to_publish_is_kept_alive_for_other_machines(t
                           timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["3"], done.stderr[-2000:]
     assert [s.records for s in cache.list_shards()] == [3]
+
+
+def test_a_store_that_ignores_byte_ranges_is_refused_not_imported_twice(tmp_path):
+    # Python's own http.server answers a Range request with 200 and the whole file: read in
+    # chunks, a 5 MB file came back once per chunk, and every record was published twice.
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    import contextlib
+
+    from growcache import SourceError, TFRecordShardSource
+    from growcache.shard_source import FetchJob
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "big.tfrecord").write_bytes(framed([labelled(0, i, width=4096) for i in range(1300)]))  # > 4 MiB
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/big.tfrecord"
+    try:
+        report = import_files(url, str(tmp_path / "cache"), capacity="100MB")
+        assert report.records == 0 and len(report.refused) == 1
+        assert "ignores byte ranges" in report.refused[0][1] and "Range" in report.refused[0][1]
+        # A shard source reading its shard in order (concurrency 1): the same chunked reads.
+        cache = Cache(tmp_path / "copies", capacity="100MB", schema=infer_schema(str(served / "big.tfrecord")))
+        job = FetchJob(cache, 0, 0, lambda: False, concurrency=1)
+        with pytest.raises(SourceError, match="ignores byte ranges"):
+            with contextlib.closing(TFRecordShardSource(url, chunk_bytes=4096).fetch(job)) as shards:
+                for shard in shards:
+                    cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit)
+        assert cache.list_shards() == []
+    finally:
+        server.shutdown()
