@@ -691,6 +691,16 @@ class Cache:
             leased.update(lease.get("seqs", ()))
         return leased
 
+    def _withdraw(self, shards: list[ShardInfo]) -> list[ShardInfo]:
+        """Remove ``shards``, just published by a caller whose larger step failed; return those a
+        reader leased meanwhile (they stay)."""
+        if not shards:
+            return []
+        with self._locked():
+            leased = self._leased_seqs()
+            self._delete([s for s in shards if s.seq not in leased])
+        return [s for s in shards if s.seq in leased]
+
     def _delete(self, victims: list[ShardInfo]) -> None:
         """Assumes you hold the lock."""
         if not victims:

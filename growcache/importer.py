@@ -769,10 +769,19 @@ def _discard(pieces: list[CopiedShard]) -> None:
 
 
 def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:
-    published = []
+    published: list[ShardInfo] = []
     try:
         for piece in pieces:
             published.append(cache._publish(piece.path, piece.records, piece.nbytes))
+    except BaseException:
+        # A file is imported whole or not at all: the pieces of it published before the failure
+        # go too, or importing it again, as the report advises, would hold them twice.
+        kept = cache._withdraw(published)
+        if kept:
+            logger.warning("%d shards (%d records) of a file whose import failed stay in cache %s, leased by a "
+                           "reader since they were published: %s; importing the file again repeats them", len(kept),
+                           sum(s.records for s in kept), cache.path, ", ".join(os.path.basename(s.path) for s in kept))
+        raise
     finally:
         for piece in pieces[len(published):]:
             discard_temporary(piece.path)

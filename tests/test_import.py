@@ -290,3 +290,33 @@ def test_a_store_that_ignores_byte_ranges_is_refused_not_imported_twice(tmp_path
         assert cache.list_shards() == []
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_file_cut_in_pieces_is_imported_whole_or_not_at_all(tmp_path, monkeypatch, failure):
+    # Its second piece failed to publish (a full disk writing the cache's state, Ctrl-C): the first
+    # stayed in the cache while the report said nothing of the file was kept, and importing it
+    # again, as advised, held its records twice.
+    source = tmp_path / "a.tfrecord"
+    source.write_bytes(framed([labelled(0, i) for i in range(10)]))
+    cache = Cache(tmp_path / "cache", capacity="10MB")
+    publish, calls = Cache._publish, []
+
+    def second_fails(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise failure
+        return publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "_publish", second_fails)
+    if isinstance(failure, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            import_files(str(source), cache, max_shard_records=3)
+    else:
+        report = import_files(str(source), cache, max_shard_records=3)
+        assert report.records == 0 and "nothing of that file was kept" in report.stopped
+    assert len(calls) == 2 and Cache(cache.path).list_shards() == []
+    assert [n for n in os.listdir(cache.shards_dir) if n.startswith(".")] == []  # no temporary left
+    monkeypatch.undo()
+    assert import_files(str(source), cache, max_shard_records=3).records == 10
+    assert sum(s.records for s in Cache(cache.path).list_shards()) == 10
