@@ -593,7 +593,7 @@ class Cache:
                         if before_publish is not None:
                             before_publish(info)
                         os.replace(tmp_path, info.path)
-                    except OSError:
+                    except BaseException:  # a refusing hook (ClaimLostError) too: nothing was published
                         with contextlib.suppress(OSError):
                             self._manifest.uncount_publish(nbytes)
                         raise

@@ -590,3 +590,27 @@ def test_fifo_policy_is_pure_and_skips_leases():
     assert [s.seq for s in choose_evictions_fifo(shards, {1}, 30, incoming=5)] == [2, 3]
     assert choose_evictions_fifo(shards, {1, 2, 3, 4}, 30, incoming=15) is None
     assert choose_evictions_fifo(shards, {2, 3, 4}, 25, incoming=10) is None
+
+
+def test_a_publish_its_hook_refuses_is_not_counted_as_published(id_cache):
+    # A shard source's commit hook refuses a shard whose claim was taken over (ClaimLostError):
+    # only an OSError took the count back, so stats() reported a shard that never appeared.
+    import shutil
+
+    from growcache.shard_source import ClaimLostError
+
+    write_shards(id_cache, [3])
+    shard = id_cache.list_shards()[0]
+    temporary = os.path.join(id_cache.shards_dir, ".tmp-refused.tfrecord")
+    shutil.copy(shard.path, temporary)
+    before = id_cache.stats()
+
+    def refuse(info):
+        raise ClaimLostError("taken over by another machine")
+
+    with pytest.raises(ClaimLostError):
+        id_cache._publish(temporary, shard.records, shard.nbytes, before_publish=refuse)
+    after = id_cache.stats()
+    assert (after.shards, after.published, after.published_bytes) == (before.shards, before.published,
+                                                                       before.published_bytes)
+    os.unlink(temporary)
