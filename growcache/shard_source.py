@@ -100,6 +100,7 @@ _RELIST_S = 10.0  # between passes, seconds between listings of the store
 _RELIST = object()
 _PROBE_FILES = 3  # shards a probe reads before one bad shard counts as a bad source
 _BAD_RETRY_S = 3600.0  # a corrupt remote shard that does not change is tried again this often
+_CLOCK_SKEW_S = 300.0  # how far another machine's clock may run ahead of ours
 
 
 @dataclass(frozen=True)
@@ -615,6 +616,11 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             for path in state["order"]:
                 if path in done or path in claims:
                     continue
+                held = state["held"].get(path)
+                if held is not None and held.get("end") is not None and not _missing(state, path):
+                    done.add(path)  # every record of it is in the cache (a tampered or unsaved done)
+                    _mark_fetched(state, path, held["end"])
+                    continue
                 if path not in listing:
                     # Deleted since the pass began, or never listed (a tampered order): never fetched.
                     logger.warning("%s: %s is not in the store's listing (deleted?); pass %d passes over it",
@@ -645,8 +651,10 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
                 del state["held"][path]
                 rewritten += 1
             bad = state["bad"].get(path)
-            if bad is not None and (bad["version"] != version or time.time() - bad.get("time", 0) > _BAD_RETRY_S):
-                del state["bad"][path]  # changed, or tried again now and then: a planted entry pins nothing
+            age = time.time() - bad.get("time", 0) if bad is not None else 0.0
+            if bad is not None and (bad["version"] != version or not -_CLOCK_SKEW_S <= age <= _BAD_RETRY_S):
+                # Changed, or tried again now and then (a time to come is a planted one): it pins nothing.
+                del state["bad"][path]
         return rewritten
 
     def _pass_over(self, cache: Cache, claim: _Claim, why: str, detail: str = "") -> bool:
@@ -1006,7 +1014,7 @@ def _damage(state: dict[str, Any]) -> str | None:
         (mapping("bad", lambda b: isinstance(b, dict) and isinstance(b.get("version"), str)
                  and isinstance(b.get("why", ""), str) and _is_number(b.get("time", 0))), "bad"),
         (isinstance(state.get("history", []), list) and all(
-            isinstance(h, dict) and _strings(h.get("fetched", [])) and _is_int(h.get("total", 0))
+            isinstance(h, dict) and _strings(h.get("fetched")) and _is_int(h.get("total", 0))
             and _is_int(h.get("pass", 0)) and _is_number(h.get("started", 0)) for h in state.get("history", [])),
          "history"),
     ]

@@ -94,17 +94,46 @@ def test_a_damaged_claim_counts_as_expired_with_a_warning(tmp_path, caplog, clai
     assert sorted(_records(cache)) == sorted(r for records in remote.values() for r in records)
 
 
-def test_a_planted_corrupt_mark_pins_a_good_shard_for_an_hour_at_most(tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", [-7200, 10**6])  # two hours ago; a time to come never aged
+def test_a_planted_corrupt_mark_pins_a_good_shard_for_an_hour_at_most(tmp_path, monkeypatch, when):
     remote = make_remote(tmp_path / "remote", 1)
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
     source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
     fetch_once(source, cache)
     cache.evict(to=0)
     ((path, held),) = state_of(cache, source)["held"].items()
-    _plant(cache, source, bad={path: {"version": held["version"], "why": "planted", "time": time.time() - 7200}})
+    _plant(cache, source, bad={path: {"version": held["version"], "why": "planted", "time": time.time() + when}})
     monkeypatch.setattr(shard_source, "_RELIST_S", 0.0)
     assert len(fetch_once(source, cache)) == 1
     assert _records(cache) == remote["train-00000-of-00001"]
+
+
+def test_a_held_shard_missing_from_done_is_taken_as_fetched_not_claimed_again(tmp_path):
+    # An order naming a shard whose every record is held, not in done (tampered, or a done list
+    # not saved): it was claimed with nothing to fetch, and fetch() raised a raw TypeError.
+    remote = make_remote(tmp_path / "remote", 2)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    _drain(source, cache)
+    state = state_of(cache, source)
+    _plant(cache, source, done=state["done"][:1])
+    assert fetch_once(source, cache) == []
+    assert sorted(state_of(cache, source)["done"]) == sorted(state["order"])
+    assert sorted(_records(cache)) == sorted(r for records in remote.values() for r in records)
+
+
+def test_a_history_entry_without_its_fetched_list_is_damage_not_a_failing_publish(tmp_path, caplog):
+    remote = make_remote(tmp_path / "remote", 2)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"))
+    fetch_once(source, cache)
+    state = state_of(cache, source)
+    _plant(cache, source, history=[{key: value for key, value in entry.items() if key != "fetched"}
+                                   for entry in state["history"]])
+    with caplog.at_level("WARNING", logger="growcache"):
+        _drain(source, cache)  # a KeyError in the publish hook failed every finishing publish
+    assert "starts afresh" in caplog.text
+    assert set(_records(cache)) == {r for records in remote.values() for r in records}
 
 
 def test_a_linked_sources_directory_is_refused(tmp_path):
