@@ -47,18 +47,20 @@ def stats_path(cache_path: str, pool: int) -> str:
     return os.path.join(cache_path, DIRECTORY, f"{host}-{os.getpid()}-{pool}.json")
 
 
-def write(cache_path: str, pool: int, figures: Mapping[str, Any]) -> None:
-    """Rewrite the stats file of this process's pool ``pool`` (best effort: a figure never stops sampling)."""
+def write(cache_path: str, pool: int, figures: Mapping[str, Any], *, dir_mode: int = 0o700,
+          file_mode: int = 0o600) -> None:
+    """Rewrite the stats file of this process's pool ``pool`` (best effort: a figure never stops
+    sampling), with the cache's modes: in a cache a group shares, its members see each other's pools."""
     path = stats_path(cache_path, pool)
     folder = os.path.dirname(path)
     try:
         try:
-            os.mkdir(folder, 0o700)
+            os.mkdir(folder, dir_mode)
         except FileExistsError:
             pass
         if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a link put there: write nothing through it
             return
-        atomic_write_bytes(path, _dumps(dict(figures)), durable=False)
+        atomic_write_bytes(path, _dumps(dict(figures)), file_mode, durable=False)
     except OSError as exc:
         logger.debug("cannot write the sampler stats file %s: %s", path, exc)
 

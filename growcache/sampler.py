@@ -719,7 +719,7 @@ class SamplerPool:
             "requests_in_flight": max(0, s.requests_in_flight), "in_flight_limit": s.in_flight_limit,
             "latency_p50": s.latency_p50, "latency_p95": s.latency_p95, "latency_p99": s.latency_p99,
             "throttle_events": s.throttle_events, "restarts": s.restarts, "failed": s.failed,
-        })
+        }, dir_mode=self.cache.dir_mode, file_mode=self.cache.file_mode)
 
     def _check_workers(self) -> None:
         with self._lock:

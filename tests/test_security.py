@@ -335,6 +335,29 @@ def test_mode_argument_sets_directories_and_files(tmp_path, no_umask):
         name: "0o640" for name in modes if name not in dirs}
 
 
+def _id_sample(rng):
+    return id_sample(int(rng.integers(0, 1000)))
+
+
+def test_the_sampler_stats_files_take_the_caches_mode(tmp_path, no_umask):
+    # They were owner-only whatever the cache's mode: in a cache a group shares, another member's
+    # `growcache status` saw no samplers, and its own pools could not write theirs.
+    import time
+
+    from growcache import _sampler_stats
+
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=ID_SCHEMA, mode=0o770)
+    folder = os.path.join(cache.path, _sampler_stats.DIRECTORY)
+    with SamplerPool(cache, _id_sample, workers=1, shard_size="4KB") as pool:
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(folder) and os.listdir(folder)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (name,) = os.listdir(folder)
+        modes = (stat.S_IMODE(os.stat(folder).st_mode), stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode))
+        pool.stop()
+    assert (oct(modes[0]), oct(modes[1])) == ("0o770", "0o660")
+
+
 def test_a_numeric_credential_is_masked_too():
     # The CLI parses --storage-option values as JSON, so password=81234567 arrives as an int.
     from growcache._retry import Redactor
