@@ -562,10 +562,17 @@ def _cache_figures(before: tuple[float, Any] | None, after: tuple[float, Any] | 
         return None
     t1, s = after
     t0, b = before if before is not None else (t1, s)
-    return CacheFigures(bytes=s.bytes, shards=s.shards, capacity=s.capacity, published=s.published - b.published,
-                        published_bytes=s.published_bytes - b.published_bytes, evicted=s.evicted - b.evicted,
-                        evicted_bytes=s.evicted_bytes - b.evicted_bytes, interval_s=t1 - t0, leases=s.leases,
-                        leased_bytes=s.leased_bytes)
+    return CacheFigures(bytes=s.bytes, shards=s.shards, capacity=s.capacity,
+                        published=_since(s.published, b.published),
+                        published_bytes=_since(s.published_bytes, b.published_bytes),
+                        evicted=_since(s.evicted, b.evicted), evicted_bytes=_since(s.evicted_bytes, b.evicted_bytes),
+                        interval_s=t1 - t0, leases=s.leases, leased_bytes=s.leased_bytes)
+
+
+def _since(now: int, then: int) -> int:
+    # A counter below its earlier value started again (state.json was rebuilt from the listing):
+    # all of it counts, from that new start, never a negative figure.
+    return now - then if now >= then else now
 
 
 def _total(done: list[InputFigures]) -> InputFigures:

@@ -3,6 +3,7 @@ part by part, the flat names for loggers, the cumulative figures, and finding a 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -128,3 +129,18 @@ def test_the_overhead_benchmark_runs():
 
     result = metrics_overhead.measure(batches=200, repeats=1)
     assert set(result) == {"timed", "next_done", "stage"} and all(isinstance(v, float) for v in result.values())
+
+
+def test_the_cache_figures_never_go_negative_when_its_counters_are_rebuilt(id_cache):
+    # A damaged or lost state.json is rebuilt from the listing (evictions from 0, publishes from
+    # the shards present): the figures of the epoch across it read -3 evicted and -2 published.
+    write_shards(id_cache, [8, 8, 8])
+    epochs = Epochs(id_cache, EpochOptions(4))
+    meter = InputMeter(epochs, log=False)
+    _epoch(meter, epochs, 2)
+    id_cache.evict(to=0)
+    os.remove(os.path.join(id_cache.path, "state.json"))
+    write_shards(id_cache, [8], first_id=100)
+    second = _epoch(meter, epochs, 2).epoch
+    assert (second.cache.published, second.cache.evicted, second.cache.shards) == (1, 0, 1)
+    assert second.cache.published_bytes == id_cache.list_shards()[0].nbytes and second.cache.evicted_bytes == 0
