@@ -31,7 +31,9 @@ logger = logging.getLogger("growcache.sampler")
 
 DIRECTORY = "samplers"
 FRESH_S = 15.0  # a pool rewrites its file each second; one this old is a dead pool's
+STALE_S = 600.0  # ... and removed by prune once this old (a pool stopped with SIGSTOP writes it again)
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9]{1,10}\.json$")
+_TEMPORARY = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9]{1,10}\.json\.[0-9a-f]{32}\.tmp$")  # atomic_write_bytes'
 _MAX_INT = 2**62
 _INTS = ("pid", "workers", "concurrency", "records", "bytes", "shards", "requests_in_flight", "in_flight_limit",
          "throttle_events", "restarts")
@@ -70,6 +72,32 @@ def remove(cache_path: str, pool: int) -> None:
         _unlink_quiet(stats_path(cache_path, pool))
     except OSError:
         pass
+
+
+def remove_stale(cache_path: str, now: float | None = None) -> int:
+    """Remove the stats files (and write temporaries) of pools gone for :data:`STALE_S`; how many.
+
+    Readers pass them over by age already; this keeps a long-lived cache's folder from growing
+    by one file per killed pool (``prune`` calls it)."""
+    folder = os.path.join(cache_path, DIRECTORY)
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a link put there: delete nothing through it
+            return 0
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    now = time.time() if now is None else now
+    removed = 0
+    for entry in entries:
+        if not (_NAME.match(entry.name) or _TEMPORARY.match(entry.name)):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > STALE_S and _unlink_quiet(entry.path):
+                removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def check(data: Mapping[str, Any], label: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from filelock import FileLock
 
-from . import _proc
+from . import _proc, _sampler_stats
 from ._size import parse_size
 from .errors import (
     CacheFormatError,
@@ -733,6 +733,7 @@ class Cache:
         self._manifest.repair_state()
         remove_dead_segments()
         remove_stale_epoch_files(self.path)
+        _sampler_stats.remove_stale(self.path)
         return removed
 
     # -- inspection -------------------------------------------------------------------------

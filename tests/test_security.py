@@ -358,6 +358,33 @@ def test_the_sampler_stats_files_take_the_caches_mode(tmp_path, no_umask):
     assert (oct(modes[0]), oct(modes[1])) == ("0o770", "0o660")
 
 
+def test_prune_removes_the_stats_files_of_pools_long_gone_and_nothing_else(tmp_path):
+    # One file per killed pool (and a write temporary, where the kill fell mid-write) piled up
+    # for good: readers pass them over by age, nothing removed them.
+    import time
+
+    from growcache import _sampler_stats
+
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=ID_SCHEMA)
+    folder = os.path.join(cache.path, _sampler_stats.DIRECTORY)
+    os.mkdir(folder, 0o700)
+    old = time.time() - _sampler_stats.STALE_S - 60
+    names = {"dead": "host-101-0.json", "dead-temporary": "host-101-0.json." + "ab" * 16 + ".tmp",
+             "live": "host-102-0.json", "not ours": "notes.txt"}
+    for kind, name in names.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("{}")
+        if kind != "live":
+            os.utime(os.path.join(folder, name), (old, old))
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    os.utime(outside, (old, old))
+    os.symlink(outside, os.path.join(folder, "host-103-0.json"))  # never followed, never removed through
+    cache.prune()
+    assert sorted(os.listdir(folder)) == ["host-102-0.json", "host-103-0.json", "notes.txt"]
+    assert outside.exists()
+
+
 def test_a_numeric_credential_is_masked_too():
     # The CLI parses --storage-option values as JSON, so password=81234567 arrives as an int.
     from growcache._retry import Redactor
