@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _proc
 from .errors import CacheFormatError
-from .manifest import _dumps, _unlink_quiet, atomic_write_bytes, read_state_file
+from .manifest import _WRITE_TEMP, _dumps, _unlink_quiet, atomic_write_bytes, read_state_file
 
 logger = logging.getLogger("growcache.sampler")
 
@@ -33,7 +33,6 @@ DIRECTORY = "samplers"
 FRESH_S = 15.0  # a pool rewrites its file each second; one this old is a dead pool's
 STALE_S = 600.0  # ... and removed by prune once this old (a pool stopped with SIGSTOP writes it again)
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9]{1,10}\.json$")
-_TEMPORARY = re.compile(r"^[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9]{1,10}\.json\.[0-9a-f]{32}\.tmp$")  # atomic_write_bytes'
 _MAX_INT = 2**62
 _INTS = ("pid", "workers", "concurrency", "records", "bytes", "shards", "requests_in_flight", "in_flight_limit",
          "throttle_events", "restarts")
@@ -89,7 +88,7 @@ def remove_stale(cache_path: str, now: float | None = None) -> int:
     now = time.time() if now is None else now
     removed = 0
     for entry in entries:
-        if not (_NAME.match(entry.name) or _TEMPORARY.match(entry.name)):
+        if not _NAME.match(_WRITE_TEMP.sub("", entry.name)):  # a stats file, or its write's temporary
             continue
         try:
             info = entry.stat(follow_symlinks=False)

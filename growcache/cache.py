@@ -32,7 +32,7 @@ from .batching import other_schema
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
 from .manifest import FORMAT_VERSION, METADATA_FILE, PIN_NAME, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
-from .records import _FrameReader, compressed_file_message, detect_compression, iter_records
+from .records import check_records, compressed_file_message, detect_compression, iter_records
 from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
 from .shard import MIN_RECORD_BYTES, ShardInfo, impossible_name, scan_shards
@@ -807,8 +807,7 @@ class Cache:
                     report.irregular.append(shard.path)
                     continue
                 with file:
-                    reader = _FrameReader(file, shard.path, shard.records, None)
-                    count = sum(1 for _ in reader.frames(verify=True, whole=False))
+                    count = check_records(shard.path, expected=shard.records, file=file)
                     if self.schema is not None:
                         check_schema_of(shard.path, self.schema, file=file)
             except FileNotFoundError:
@@ -846,9 +845,7 @@ def check_schema_of(path: str, schema: Schema, *, file: BinaryIO | None = None) 
     # bytes for 8) and a little framing: a record four times that long is of another schema.
     bound = 4 * schema.record_payload_bytes + (1 << 20)
     checker = RecordChecker(ExampleCodec(schema), "the record")
-    records = (iter_records(path, verify=False, max_record_bytes=bound) if file is None
-               else _FrameReader(file, path, None, bound).frames(verify=False, whole=True))
-    for offset, record in records:
+    for offset, record in iter_records(path, verify=False, max_record_bytes=bound, file=file):
         try:
             checker.check(record, offset)
             checker.flush()

@@ -790,6 +790,7 @@ class Epoch:
         # and the readers of the last few taken, for what a resume may skip (see resumable).
         self._delivered: list[int] | None = None
         self._known = 0  # batches consumed when the out-of-order count began
+        self._order_noted = False  # a state saved out of order was warned about (once per epoch)
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT)
 
     @property

@@ -8,6 +8,7 @@ both CRCs of every record.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zlib
@@ -89,6 +90,7 @@ def iter_records(
     verify: bool = True,
     expected: int | None = None,
     max_record_bytes: int | None = None,
+    file: Any = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """Yield ``(offset, record)`` for every record of a TFRecord file.
 
@@ -111,6 +113,9 @@ def iter_records(
             shard's file name states; no count check for files named otherwise.
         max_record_bytes: refuse longer records as corrupt, before reading them. Default:
             ``None`` (any length the file can hold).
+        file: the shard already opened (unbuffered, from its start), read instead of ``path``,
+            which then only names it: a caller that checked what it opened reads just that.
+            Default: ``None``: ``path`` is opened.
 
     Raises:
         CorruptShardError: a CRC mismatch, a truncated record, a record count or size that
@@ -118,25 +123,26 @@ def iter_records(
             with the file and byte offset.
     """
     path = os.fspath(path)
-    with open(path, "rb", buffering=0) as file:
-        reader = _FrameReader(file, path, expected, max_record_bytes)
+    with _opened(path, file) as opened:
+        reader = _FrameReader(opened, path, expected, max_record_bytes)
         yield from reader.frames(verify, whole=True)  # type: ignore[misc]
 
 
-def check_records(path: str | os.PathLike, *, expected: int | None = None) -> int:
+def _opened(path: str, file: Any) -> Any:
+    return open(path, "rb", buffering=0) if file is None else contextlib.nullcontext(file)
+
+
+def check_records(path: str | os.PathLike, *, expected: int | None = None, file: Any = None) -> int:
     """Check every CRC32C of a TFRecord file and return its record count.
 
     Like :func:`iter_records` (same checks, same errors), but records are never held
     whole: each payload's CRC is computed over chunks of at most 8 MiB, so memory stays
-    bounded whatever length a record claims. ``Cache.verify`` uses it.
+    bounded whatever length a record claims. ``Cache.verify`` uses it. ``file``: as in
+    :func:`iter_records`.
     """
     path = os.fspath(path)
-    with open(path, "rb", buffering=0) as file:
-        reader = _FrameReader(file, path, expected, None)
-        count = 0
-        for _ in reader.frames(verify=True, whole=False):
-            count += 1
-        return count
+    with _opened(path, file) as opened:
+        return sum(1 for _ in _FrameReader(opened, path, expected, None).frames(verify=True, whole=False))
 
 
 def check_named_size(path: str | os.PathLike) -> None:

@@ -217,7 +217,7 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
                              "snapshot": None, "progress": 0, "pin": None}
     taken = 0 if latest is None else latest.resumable(consumed)
     asked = 0 if latest is None else latest.consumed if consumed is None else min(int(consumed), latest.consumed)
-    if taken < asked and not latest.ended and not latest.__dict__.get("_order_noted"):
+    if taken < asked and not latest.ended and not latest._order_noted:
         latest._order_noted = True  # once per epoch: a trainer saves often
         logger.warning("epoch %d: batches taken out of order (DataLoader in_order=False): a resume from a state "
                        "saved in it starts after the last batch every worker had delivered in turn (batch %d of %d "

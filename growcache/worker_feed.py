@@ -43,7 +43,7 @@ from .errors import ForeignLoaderError, GrowcacheError
 from .readers import slab_batches
 from .transport import BatchLayout, Slab, SlotHandle, make_slabs
 
-__all__ = ["PLAN_TIMEOUT_S", "EpochMessage", "WorkerFailure", "WorkerFeed"]
+__all__ = ["PLAN_TIMEOUT_S", "EpochMessage", "Unslotted", "WorkerFailure", "WorkerFeed"]
 
 #: Seconds a reader process waits for its epoch's message before it fails.
 PLAN_TIMEOUT_S = 300.0
