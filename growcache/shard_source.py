@@ -857,14 +857,21 @@ class _Until:
         self.should_stop = should_stop
 
     def __iter__(self) -> Iterator[tuple]:
+        stop = self.stop
+        if stop is not None and self.end >= stop:
+            return
         for count, frame in enumerate(self.frames):
             offset, _, start, end, _ = frame
-            if self.stop is not None and offset >= self.stop:
+            if stop is not None and offset >= stop:  # a stop inside a record (a tampered state)
                 return
             if not count % 64 and self.should_stop():
                 raise _Stopping
             self.end = offset + end - start
             yield frame
+            # Ends here, before the next frame is asked for: reading it would cost a request past
+            # the gap, and a damaged record there would pass the good gap over as corrupt.
+            if stop is not None and self.end >= stop:
+                return
 
 
 def _in_flight(job: FetchJob) -> tuple[int, int]:

@@ -120,6 +120,32 @@ def test_shards_cut_into_pieces_and_a_partly_evicted_one_fetches_only_its_missin
     assert [bytes(r) for _, r in iter_records(again[0].path)] == remote[name][:4]
 
 
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_a_gap_is_read_up_to_its_end_and_not_one_record_past_it(tmp_path, concurrency):
+    # The evicted first piece is fetched again; the record after it (held in the cache already) is
+    # damaged on the store since (same size and mtime, so the same version). Reading one frame past
+    # the gap found that damage and passed the whole shard over as corrupt, the good gap with it.
+    remote = make_remote(tmp_path / "remote", 1, records=9)
+    cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
+    source = TFRecordShardSource(str(tmp_path / "remote" / "*"), max_shard_records=4, chunk_bytes=64)
+    first = fetch_once(source, cache)
+    assert [s.records for s in first] == [4, 4, 1]
+    os.unlink(first[0].path)
+    path = tmp_path / "remote" / "train-00000-of-00001"
+    records = remote[path.name]
+    data, stat = bytearray(path.read_bytes()), path.stat()
+    data[len(framed(records[:4])) + 20] ^= 0xFF  # inside record 4's payload: its CRC fails
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    job = FetchJob(cache, 0, 0, lambda: False, concurrency=concurrency)
+    again = []
+    with contextlib.closing(source.fetch(job)) as shards:
+        for shard in shards:
+            again.append(cache._publish(shard.path, shard.records, shard.nbytes, before_publish=shard.commit))
+    assert [bytes(r) for s in again for _, r in iter_records(s.path)] == records[:4]
+    assert pass_progress(cache)[0].corrupt == 0 and pass_progress(cache)[0].held == 1
+
+
 def test_a_fetch_cut_by_the_pools_shard_size(tmp_path):
     remote = make_remote(tmp_path / "remote", 1, records=10)
     cache = Cache(tmp_path / "cache", capacity="1MB", schema=SCHEMA)
