@@ -206,7 +206,7 @@ class Manifest:
         ``durable=False`` for changes only live processes care about (claims).
         """
         self.make_subdir(self.sources_dir, self.file_mode | (self.file_mode & 0o444) >> 2)
-        atomic_write_bytes(self._source_path(key), _dumps(data), self.file_mode, durable=durable)
+        self._replace(self._source_path(key), data, durable=durable)
 
     def source_states(self) -> list[dict[str, Any]]:
         """The state of every shard source that has used this cache (damaged ones left out)."""
@@ -290,7 +290,7 @@ class Manifest:
 
     def write_metadata(self, data: dict[str, Any]) -> None:
         """Replace the metadata. Assumes you hold the lock."""
-        atomic_write_bytes(self.metadata_path, _dumps(data), self.file_mode)
+        self._replace(self.metadata_path, data)
 
     # -- counters ---------------------------------------------------------------------------
     def read_state(self, *, locked: bool = False) -> dict[str, int]:
@@ -349,7 +349,18 @@ class Manifest:
 
     def write_state(self, state: dict[str, int]) -> None:
         """Replace the counters. Assumes you hold the lock."""
-        atomic_write_bytes(self.state_path, _dumps(state), self.file_mode)
+        self._replace(self.state_path, state)
+
+    def _replace(self, path: str, data: dict[str, Any], *, durable: bool = True) -> None:
+        """Atomically replace the state file ``path``; a directory put in its place is a
+        :class:`CacheFormatError` that names it, not a rename error naming a temporary."""
+        try:
+            atomic_write_bytes(path, _dumps(data), self.file_mode, durable=durable)
+        except IsADirectoryError:
+            raise CacheFormatError(
+                f"{path} is a directory, where growcache keeps a state file of cache {self.root}, so it cannot be "
+                "rewritten. Move the directory away (growcache.json holds the schema: restore it from a backup; "
+                "any other state file is rebuilt) and open the cache again.") from None
 
     def repair_state(self) -> None:
         """Write the counters back if they had to be rebuilt. Assumes you hold the lock."""
@@ -553,11 +564,18 @@ def read_state_file(path: str, label: str) -> tuple[dict[str, Any], float] | Non
         what = "a symbolic link" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})"
         raise CacheFormatError(f"{label} is {what}, not a file growcache wrote; the cache is damaged. Move it "
                                "away and restore the file.") from None
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        # Checked on the bare fd: os.fdopen refuses a directory with a raw IsADirectoryError,
+        # and leaves the descriptor open.
+        os.close(fd)
+        raise CacheFormatError(f"{label} is not a regular file (a directory or a device); the cache is "
+                               "damaged. Move it away and restore the file.")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CacheFormatError(f"{label} is not a regular file (a directory or a device); the cache is "
-                                   "damaged. Move it away and restore the file.")
         raw = f.read(MAX_STATE_FILE_BYTES + 1)
     if len(raw) > MAX_STATE_FILE_BYTES:
         raise CacheFormatError(f"{label} is larger than {MAX_STATE_FILE_BYTES >> 20} MiB, far more than growcache "

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -554,12 +555,16 @@ def remove_stale_epoch_files(cache_dir: str) -> int:
     now = time.time()
     for name in names:
         path = os.path.join(directory, name)
+        if _is_directory(path):
+            if _EPOCH_FILE.match(name) or _ACK_FILE.match(name):
+                logger.warning("%s is a directory, named like an epoch file; it is ignored: remove it by hand", path)
+            continue
         if _EPOCH_FILE.match(name):
             body = _read_epoch_file(path)
             if body is not None and not _writer_lives(body):
                 if "damaged" in body:
                     logger.warning("%s; it is removed as a dead first rank's", body["damaged"])
-                removed += _unlink_quiet(path)
+                removed += _sweep(path)
             else:
                 live.add(name[:-len(".json")])
     for name in names:
@@ -568,8 +573,33 @@ def remove_stale_epoch_files(cache_dir: str) -> int:
         stale_ack = ack is not None and f"{ack.group(1)}-{ack.group(2)}" not in live and _older(path, now, AGREE_TIMEOUT_S)
         stale_temp = name.endswith(".tmp") and _older(path, now, _TEMP_MAX_AGE_S)
         if stale_ack or stale_temp:
-            removed += _unlink_quiet(path)
+            removed += _sweep(path)
     return removed
+
+
+def _sweep(path: str) -> int:
+    """Delete one stale entry of ``epochs/``; 1 if it went.
+
+    The sweep runs at every cache open and epoch start, so an entry it cannot delete (a
+    directory put there, a file another user owns under a sticky bit) is left with a warning:
+    it must not make the cache unusable.
+    """
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        logger.warning("cannot remove %s from the epoch files (%s); it is ignored: remove it by hand", path,
+                       exc.strerror)
+        return 0
+
+
+def _is_directory(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _older(path: str, now: float, seconds: float) -> bool:

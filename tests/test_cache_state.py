@@ -151,6 +151,48 @@ def test_metadata_values_out_of_range_are_refused(id_cache, field, value, match)
         Cache(id_cache.path)
 
 
+@pytest.mark.parametrize("name", ["growcache.json", "state.json"])
+def test_a_directory_in_place_of_a_state_file_is_a_format_error_naming_it(id_cache, name, capsys):
+    # os.fdopen refused the directory with a raw IsADirectoryError naming a file descriptor
+    # (and leaked it); a directory state.json then failed every open on a rename of a temporary.
+    from growcache.cli import main
+    from growcache.manifest import read_state_file
+
+    path = os.path.join(id_cache.path, name)
+    os.unlink(path)
+    os.mkdir(path)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(CacheFormatError, match=f"{name} is not a regular file"):
+            read_state_file(path, path)
+    assert len(os.listdir("/proc/self/fd")) == fds, "a refused directory leaves no descriptor open"
+    with pytest.raises(CacheFormatError, match=f"{name} is (not a regular file|a directory)"):
+        Cache(id_cache.path)
+    assert main(["status", id_cache.path]) == 1
+    assert f"{name} is " in capsys.readouterr().err
+
+
+def test_a_directory_named_like_an_epoch_file_leaves_the_cache_usable(id_cache, capsys):
+    # The sweep at every open unlinked it as a dead first rank's file: IsADirectoryError made
+    # every Cache(), status and prune of the cache fail.
+    from growcache.cli import main
+
+    epochs = os.path.join(id_cache.path, EPOCHS_DIR)
+    os.makedirs(epochs, exist_ok=True)
+    planted = [os.path.join(epochs, n) for n in ("0123456789abcdef-0000000001.json", "0123456789abcdef-0000000001.ack-1",
+                                                  "x.0123456789abcdef0123456789abcdef.tmp")]
+    for path in planted:
+        os.mkdir(path)
+        os.utime(path, (0, 0))  # old enough for every sweep
+    assert remove_stale_epoch_files(id_cache.path) == 0
+    Cache(id_cache.path)
+    assert main(["prune", id_cache.path]) == 0
+    assert main(["status", id_cache.path]) == 0
+    assert all(os.path.isdir(path) for path in planted), "growcache deletes no directory"
+    write_shards(id_cache, [4])
+    assert id_cache.snapshot().shards
+
+
 def test_an_oversized_state_file_is_refused_without_reading_it_whole(id_cache):
     with open(os.path.join(id_cache.path, "growcache.json"), "ab") as f:
         f.truncate(1 << 30)  # sparse: a 1 GiB metadata file
