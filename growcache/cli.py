@@ -56,13 +56,19 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+# The longest wait a flag may ask for. Longer ones (inf, 1e300) overflow every timed wait
+# (time.sleep, Event.wait, socket timeouts) mid-run with an OverflowError.
+_MAX_SECONDS = 365 * 86400.0
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not 0 < value <= _MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds up to {_MAX_SECONDS:.0f} (a year), "
+                                         f"got {text!r}")
     return value
 
 

@@ -47,6 +47,17 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 2
 
 
+def test_seconds_past_what_a_wait_can_take_are_usage_errors(id_cache, capsys):
+    # inf or 1e300 passed the check: status --watch died of an OverflowError traceback in
+    # time.sleep, and verify's progress thread died of one while the command exited 0.
+    for argv in (["status", id_cache.path, "--watch", "--count", "1", "--interval"],
+                 ["verify", id_cache.path, "--status-interval"]):
+        for seconds in ("inf", "1e300", "nan", "-1"):
+            assert main([*argv, seconds]) == 2, (argv, seconds)
+            assert "positive number of seconds" in capsys.readouterr().err
+    assert main(["verify", id_cache.path, "--status-interval", "3600"]) == 0
+
+
 def test_demo_refuses_a_cache_directory_it_did_not_make(tmp_path, capsys):
     precious = tmp_path / "precious"
     precious.mkdir()
