@@ -7,11 +7,13 @@ ones serve ``int64_list`` payloads, a whole batch of records per numpy call.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["decode_varint_rows", "encode_varints", "iter_fields", "read_varint", "varint"]
+__all__ = ["decode_varint_rows", "encode_varints", "iter_fields", "read_varint", "varint", "varint_count",
+           "wide_varint_rows_ok"]
 
 LEN = 2  # wire type of length-delimited fields (bytes, messages, packed repeated scalars)
 VARINT = 0
@@ -22,6 +24,8 @@ MAX_VARINT_BYTES = 10
 _VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, MAX_VARINT_BYTES)], dtype=np.uint64)
 _SHIFTS = np.arange(MAX_VARINT_BYTES, dtype=np.uint64) * np.uint64(7)
 _WIDE_SMALL: dict[int, bytes] = {}  # 10-byte varints of small values (labels), built as met
+_CONTINUATION = bytes(range(0x80, 0x100))
+_TOO_LONG = re.compile(b"[\\x80-\\xff]{%d}" % MAX_VARINT_BYTES)  # a varint of more than 10 bytes
 
 
 def varint(value: int) -> bytes:
@@ -133,6 +137,30 @@ def encode_varints(values: np.ndarray, *, wide: bool = False) -> bytes:
         group |= np.where(nbytes[has] > k + 1, 0x80, 0).astype(np.uint8)
         out[starts[has] + k] = group
     return out.tobytes()
+
+
+def varint_count(payload: bytes) -> int:
+    """The number of values in the packed varints ``payload``, checked the way a protobuf
+    parser checks them, at C speed per record (readers check each record as they place it).
+
+    Raises:
+        ValueError: the last varint does not end, or a varint runs past 10 bytes.
+    """
+    if not payload:
+        return 0
+    if payload[-1] & 0x80:
+        raise ValueError("an int64_list varint does not end")
+    values = len(payload.translate(None, _CONTINUATION))  # one byte per varint has no continuation bit
+    if len(payload) - values >= MAX_VARINT_BYTES and _TOO_LONG.search(payload):
+        raise ValueError("an int64_list varint runs past 10 bytes")
+    return values
+
+
+def wide_varint_rows_ok(rows: np.ndarray) -> np.ndarray:
+    """Per row of ``rows`` (uint8, ``(records, 10 * values)``), whether it holds only 10-byte
+    varints (:func:`wide_varint`), as a fixed-layout record's ``int64_list`` payload must."""
+    groups = rows.reshape(rows.shape[0], -1, MAX_VARINT_BYTES)
+    return (groups[:, :, :-1] >= 0x80).all(axis=(1, 2)) & (groups[:, :, -1] < 0x80).all(axis=1)
 
 
 def decode_varint_rows(rows: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:

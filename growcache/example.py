@@ -41,6 +41,7 @@ from ._protowire import (
     iter_fields,
     tag,
     varint,
+    varint_count,
 )
 from .errors import CorruptShardError, GrowcacheError, SchemaError
 from .schema import FeatureSpec, Schema
@@ -581,6 +582,11 @@ class BatchDecoder:
         self._length_rows = [len(self.specs) + self._varint.index(i) if i in self._varint else -1
                              for i in range(len(self.specs))]
 
+    @property
+    def varint_features(self) -> list[int]:
+        """Indices (schema order, as in :meth:`rows`) of the ``int64_list`` features."""
+        return self._varint
+
     def rows(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Flat byte rows to fill for a batch of ``arrays`` (each ``(batch, *shape)``).
 
@@ -617,7 +623,7 @@ class BatchDecoder:
         if isinstance(spans, str):
             self._put_decoded(self.codec.decode(record), rows, row)
             return
-        for dst, (offset, nbytes), length_row in zip(rows, spans, self._length_rows):
+        for spec, dst, (offset, nbytes), length_row in zip(self.specs, rows, spans, self._length_rows):
             if length_row < 0:
                 if nbytes:
                     dst[row] = np.frombuffer(record, np.uint8, nbytes, offset)
@@ -625,6 +631,16 @@ class BatchDecoder:
             if nbytes > dst.shape[1]:
                 raise SchemaError(f"an int64_list payload of {nbytes} bytes holds more values than the schema's "
                                   f"{dst.shape[1] // MAX_VARINT_BYTES}")
+            # Its varints are checked now, where the record's offset is known: finish() decodes a
+            # whole window of records at once, too late to name the record or skip its shard.
+            if nbytes == 1 and record[offset] < 0x80:
+                values = 1  # one value below 128: a small label, the usual int64_list
+            else:
+                payload = record[offset:offset + nbytes]
+                values = varint_count(payload if type(payload) is bytes else bytes(payload))  # ValueError: malformed
+            if values != spec.size:
+                raise SchemaError(f"feature {spec.name!r}: an int64_list of {values} values, where the schema's "
+                                  f"shape {spec.shape} holds {spec.size}")
             dst[row, :nbytes] = np.frombuffer(record, np.uint8, nbytes, offset)
             rows[length_row][row] = nbytes
 

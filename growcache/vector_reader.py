@@ -54,6 +54,7 @@ import numpy as np
 from ._vectored_io import pread_into
 from .batching import Allocate, BatchReader, ReaderShare, Skipped, malformed, other_schema, past_gone
 from .errors import CorruptShardError, SchemaError
+from ._protowire import MAX_VARINT_BYTES, wide_varint_rows_ok
 from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
 from .shard import ShardInfo
@@ -468,17 +469,61 @@ class _Window:
             numbers, at = np.divmod(self.targets[first:first + count], self.batch_size)
         return self.row_addresses[numbers] + at.astype(np.uint64)[:, None] * self.row_strides
 
+    def bad_varint(self, first: int, count: int, layout_ok: np.ndarray | None = None) -> int | None:
+        """The first of the ``count`` records placed by the block from window position ``first``
+        whose ``int64_list`` payload is not 10-byte varints, as a fixed frame's must be; ``None``
+        if none. Records of another layout (``~layout_ok``) are left out: :meth:`put` checks them.
+
+        A CRC cannot tell a record that a writer framed with broken varints, and :meth:`close`
+        decodes a whole window at once, too late to name the record or skip its shard.
+        """
+        if not self.decoder.varint_features or not count:
+            return None
+        positions = (np.arange(first, first + count) if self.targets is None
+                     else self.targets[first:first + count])
+        numbers, at = np.divmod(positions, self.batch_size)
+        ok = np.ones(count, bool)
+        for feature in self.decoder.varint_features:
+            wide = self.decoder.specs[feature].size * MAX_VARINT_BYTES
+            span = self.spans[feature] if self.targets is not None else None
+            if not wide:
+                continue
+            if span is not None:  # one gather for the whole piece
+                view, position = span
+                ok &= wide_varint_rows_ok(view[position[numbers], at, :wide])
+                continue
+            for number in np.unique(numbers).tolist():
+                picked = np.flatnonzero(numbers == number)
+                ok[picked] &= wide_varint_rows_ok(self._rows_of(number)[feature][at[picked], :wide])
+        if layout_ok is not None:
+            ok |= ~layout_ok[:count]
+        return None if ok.all() else int(np.argmin(ok))
+
+    def refuse(self, record: Any, path: str, offset: int) -> None:
+        """Raise for a fixed frame :meth:`bad_varint` found, at the next position, as the
+        record-by-record reader raises for it: its general path tells a malformed varint
+        (:class:`CorruptShardError`) from another count of values (:class:`SchemaError`)."""
+        self.put(record, path, offset)
+        # put() refuses every payload of 10 bytes per value that is not 10-byte varints.
+        raise malformed(path, offset, ValueError("an int64_list payload that is not 10-byte varints"))
+
     def placed_direct(self, count: int, layout_ok: np.ndarray, shard: _Shard, start: int) -> None:
         """Count ``count`` records read in place by :meth:`_Shard.read_into` as placed."""
         first = self.placed
+        bad = self.bad_varint(first, count, layout_ok)
+        placed = count if bad is None else bad
         # Records of another layout (same length, other order of features) landed as if
         # they had ours; read them whole and put them through the codec's general path.
-        for index in np.flatnonzero(~layout_ok).tolist():
+        for index in np.flatnonzero(~layout_ok[:placed]).tolist():
             frame = shard.fixed.frame
             record = os.pread(shard.fd, frame, (start + index) * frame)[HEADER_BYTES:frame - FOOTER_BYTES]
             self.placed = first + index
             self.put(record, shard.path, (start + index) * frame)
-        self.placed = first + count
+        self.placed = first + placed
+        if bad is not None:
+            frame = shard.fixed.frame
+            self.refuse(os.pread(shard.fd, frame, (start + bad) * frame)[HEADER_BYTES:frame - FOOTER_BYTES],
+                        shard.path, (start + bad) * frame)
 
     def put_frames(self, frames: np.ndarray, payloads: list[tuple[int, int]], layout_ok: np.ndarray,
                    record_length: int, shard: _Shard, shard_record: int) -> None:
@@ -510,14 +555,18 @@ class _Window:
                             dst[row] = source[index]
                     else:
                         dst[at[picked]] = source[picked]
-        self.placed = first + count
+        bad = self.bad_varint(first, count, layout_ok)
+        placed = count if bad is None else bad
         # Records of another layout (same length, other order of features) were copied as
         # if they had ours; put them again through the codec's general path.
-        for index in np.flatnonzero(~layout_ok).tolist():
+        for index in np.flatnonzero(~layout_ok[:placed]).tolist():
             self.placed = first + index
             self.put(frames[index, HEADER_BYTES:HEADER_BYTES + record_length].data, shard.path,
                      (shard_record + index) * shard.fixed.frame)
-        self.placed = first + count
+        self.placed = first + placed
+        if bad is not None:
+            self.refuse(frames[bad, HEADER_BYTES:HEADER_BYTES + record_length].data, shard.path,
+                        (shard_record + bad) * shard.fixed.frame)
 
     def close(self) -> Iterator[Batch]:
         """Yield the window's batches (dense: a last partial window is compacted)."""
@@ -634,6 +683,12 @@ class VectorReader(BatchReader):
             placed, stop = _frames.place(shard.fd, (start + good) * fixed.frame, count - good, fixed.template,
                                          fixed.segments, fixed.placed_columns, window.addresses(count - good),
                                          shard.view, self.verify)
+            bad = window.bad_varint(window.placed, placed)
+            if bad is not None:
+                window.placed += bad
+                at = (start + good + bad) * fixed.frame
+                window.refuse(os.pread(shard.fd, fixed.frame, at)[HEADER_BYTES:fixed.frame - FOOTER_BYTES],
+                              shard.path, at)
             good += placed
             window.placed += placed
             if stop == _OTHER_LAYOUT:  # same length, another order of features: the codec's general path

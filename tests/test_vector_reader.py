@@ -444,6 +444,48 @@ def test_a_record_damaged_under_a_valid_crc_mid_piece_is_counted_as_the_record_r
         assert len(skipped) == 1 and skipped[0].records == 6, result
 
 
+VARINT_SCHEMA = Schema({"id": ("int64", (), "int64_list"), "labels": ("int16", (3,), "int64_list"),
+                        "x": ("float32", (4, 8))})
+
+
+@pytest.mark.parametrize("damage", ["unterminated", "too long", "four values"])
+def test_a_broken_int64_list_under_a_valid_crc_is_named_at_its_record_and_skipped(tmp_path, mode, damage):
+    # int64_list varints were decoded a window at a time when the window closed: a broken one
+    # raised a SchemaError without file or offset there (maybe for a record of another shard of
+    # the window), and on_corrupt="skip" closed the half-closed window again and raised anyway.
+    codec = ExampleCodec(VARINT_SCHEMA)
+    samples = [{"id": np.int64(i - 4), "labels": np.array([i, -i, 300], np.int16), "x": id_sample(i)["x"]}
+               for i in range(9)]
+    records = [codec.encode(sample) for sample in samples]
+    at = next(offset for name, offset, _ in codec.layout if name == "labels")  # 3 values of 10 bytes each
+    damaged = bytearray(records[3])
+    if damage == "unterminated":
+        damaged[at + 29] |= 0x80  # the last value's last byte
+    elif damage == "too long":
+        damaged[at + 9] |= 0x80  # the first value runs on into the second
+    else:
+        damaged[at + 28] &= 0x7F  # the third value ends a byte early: a fourth one follows
+    records[3] = bytes(damaged)
+    path = tmp_path / "x.tfrecord"
+    _write_frames(path, records)
+    named = str(tmp_path / f"000000000001-9r-{os.path.getsize(path)}b.tfrecord")
+    os.rename(path, named)
+    frame = os.path.getsize(named) // 9
+    for batch_size, shuffle_buffer in ((2, 0), (2, 6), (3, 4), (4, 16)):
+        result, _ = compare(VARINT_SCHEMA, share_of([named], [9]), batch_size=batch_size,
+                            shuffle_buffer=shuffle_buffer, on_corrupt="skip")
+        skipped = [item[1] for item in result if item[0] == "skipped"]
+        assert len(skipped) == 1 and skipped[0].records == 6, result  # the 3 records before it are read
+        assert rows_of(result) == 3, result
+        result, _ = compare(VARINT_SCHEMA, share_of([named], [9]), batch_size=batch_size,
+                            shuffle_buffer=shuffle_buffer)
+        assert result[-1][:2] == ("corrupt", named), result
+        if damage == "four values":  # well-formed varints, another count: off the schema, as a renamed feature
+            assert result[-1][2] == 0 and "'labels'" in result[-1][3] and "4 values" in result[-1][3], result
+        else:
+            assert result[-1][2] == 3 * frame and "int64_list varint" in result[-1][3], result
+
+
 def test_the_fused_loop_refuses_a_plan_whose_sizes_would_wrap(tmp_path):
     # Only a Python caller's plan can hold such numbers (file bytes are compared, never trusted),
     # but a wrapped product passed the bounds checks: the loop then ran on, or wrote past `rows`.
@@ -579,8 +621,13 @@ def test_property_random_schemas_read_identically(tmp_path_factory, monkeypatch,
 def test_property_random_corruption_is_reported_identically(tmp_path_factory, monkeypatch, data):
     _set_mode(monkeypatch, data.draw(st.sampled_from(MODES)), data.draw(st.sampled_from([1, 300, 1 << 20])))
     root = tmp_path_factory.mktemp("corrupt")
-    cache = Cache(root / "c", capacity="1GB", schema=ID_SCHEMA)
-    write_shards(cache, data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=3)))
+    schema = data.draw(st.sampled_from([ID_SCHEMA, VARINT_SCHEMA]))  # int64_list payloads: damage in varints
+    cache = Cache(root / "c", capacity="1GB", schema=schema)
+    counts = data.draw(st.lists(st.integers(1, 8), min_size=1, max_size=3))
+    if schema is ID_SCHEMA:
+        write_shards(cache, counts)
+    else:
+        _fill(cache, counts, seed=data.draw(st.integers(0, 1000)))
     shards = cache.list_shards()
     for _ in range(data.draw(st.integers(1, 3))):
         shard = data.draw(st.sampled_from(shards))
@@ -606,7 +653,7 @@ def test_property_random_corruption_is_reported_identically(tmp_path_factory, mo
                 f.write(data.draw(st.binary(min_size=1, max_size=24)))
     kwargs = dict(batch_size=data.draw(st.integers(1, 5)), shuffle_buffer=data.draw(st.sampled_from([0, 4, 9])),
                   on_corrupt=data.draw(st.sampled_from(["raise", "skip"])), verify=data.draw(st.booleans()))
-    result, _ = compare(ID_SCHEMA, cache_share(cache, seed=data.draw(st.integers(0, 9))),
+    result, _ = compare(schema, cache_share(cache, seed=data.draw(st.integers(0, 9))),
                         data.draw(st.sampled_from(ALLOCATORS)), **kwargs)
     # Damage is a corrupt shard, named with its offset and skippable: never another error.
     assert not [item for item in result if item[0] == "error"], result
