@@ -21,6 +21,7 @@ listing with a warning; a damaged lease expires.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -79,6 +80,8 @@ def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600, *, durable: bo
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
+        with contextlib.suppress(OSError):  # a filesystem without modes keeps what it has
+            os.fchmod(fd, mode)  # exact bits whatever the umask: a group sharing the cache reads it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -120,12 +123,11 @@ class Manifest:
     # -- layout -----------------------------------------------------------------------------
     def make_layout(self, mode: int) -> None:
         """Create the cache directory and its ``shards/`` and ``leases/``; refuse linked ones."""
-        os.makedirs(self.root, mode=mode, exist_ok=True)
-        for directory in (self.shards_dir, self.leases_dir):
-            try:
-                os.mkdir(directory, mode)
-            except FileExistsError:
-                pass
+        parent = os.path.dirname(self.root)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        for directory in (self.root, self.shards_dir, self.leases_dir):
+            _make_dir(directory, mode)
         self.check_layout()
 
     def check_layout(self) -> None:
@@ -156,10 +158,7 @@ class Manifest:
 
     def make_subdir(self, directory: str, mode: int) -> None:
         """Create ``directory`` (``epochs/`` or ``sources/``) if missing; refuse a link there."""
-        try:
-            os.mkdir(directory, mode)
-        except FileExistsError:
-            pass
+        _make_dir(directory, mode)
         self.check_layout()
 
     def check_lock(self) -> None:
@@ -636,6 +635,29 @@ def _check_lease(lease: dict[str, Any], path: str) -> None:
 
 def _dumps(data: dict[str, Any]) -> bytes:
     return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
+def _make_dir(path: str, mode: int) -> None:
+    """Create the directory ``path`` with exactly ``mode``; leave one that exists as it is.
+
+    The umask would strip the bits ``Cache(mode=0o770)`` asks for (to 0o750 under the usual
+    022): the group sharing the cache could then write no lease, shard or epoch file in it.
+    """
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return
+    try:
+        # Through a descriptor, never the name: a link swapped in meanwhile is not followed.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # replaced since: check_layout refuses what is there now
+    try:
+        os.fchmod(fd, mode)
+    except OSError as exc:  # a filesystem without modes (vfat, some FUSE mounts): the cache still works
+        logger.debug("cannot set mode %o on %s: %s", mode, path, exc)
+    finally:
+        os.close(fd)
 
 
 def _scandir(path: str) -> list[os.DirEntry]:

@@ -335,6 +335,28 @@ def test_mode_argument_sets_directories_and_files(tmp_path, no_umask):
         name: "0o640" for name in modes if name not in dirs}
 
 
+@pytest.fixture
+def usual_umask():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_a_cache_a_group_shares_gets_its_mode_under_the_usual_umask(tmp_path, usual_umask):
+    # os.mkdir and os.open take the umask off: Cache(mode=0o770) made 0o750 directories under
+    # umask 022, and another member of the group failed its first snapshot with EACCES on leases/.
+    from growcache.rendezvous import FileRendezvous
+
+    cache = Cache(tmp_path / "c", schema=ID_SCHEMA, mode=0o770)
+    FileRendezvous(cache.path, ("run",), 0, 2, file_mode=cache.file_mode, dir_mode=cache.dir_mode)
+    modes = _modes(cache, tmp_path)
+    dirs = {"cache dir": 0o770, "shards dir": 0o770, "leases dir": 0o770,
+            "epochs dir": stat.S_IMODE(os.stat(os.path.join(cache.path, "epochs")).st_mode)}
+    files = {name: modes[name] for name in ("metadata", "state", "lock", "lease", "added shard")}
+    assert {name: oct(modes.get(name, mode)) for name, mode in dirs.items()} == {name: "0o770" for name in dirs}
+    assert {name: oct(mode) for name, mode in files.items()} == {name: "0o660" for name in files}
+
+
 def _id_sample(rng):
     return id_sample(int(rng.integers(0, 1000)))
 
