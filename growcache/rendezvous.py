@@ -632,8 +632,12 @@ def _epoch_file_problem(body: dict[str, Any]) -> str:
     seqs, names = body.get("seqs"), body.get("names", [])
     if not (_is_int(body.get("pid")) and body["pid"] > 0):
         return f"its pid is {body.get('pid')!r}, not a positive integer"
-    if not (_is_int(body.get("start_time")) and body["start_time"] >= 0):
-        return f"its start_time is {body.get('start_time')!r}, not an integer"
+    start_time = body.get("start_time")
+    # As for leases: a platform that tells no start times (no /proc) writes none, and another
+    # machine's file lives by its heartbeat; here, where start times are known, one is required.
+    if not ((_is_int(start_time) and start_time >= 0) or (start_time is None and (
+            not _proc.start_times_known() or body.get("host") not in (None, _proc.this_host())))):
+        return f"its start_time is {start_time!r}, not an integer"
     if not isinstance(body.get("host") or "", str):
         return f"its host is {body.get('host')!r}, not a string"
     if "expiry" in body and _proc.stored_expiry(body["expiry"]) is None:

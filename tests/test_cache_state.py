@@ -238,6 +238,31 @@ def test_a_damaged_epoch_file_is_a_dead_first_rank_s(id_cache, monkeypatch):
     assert remove_stale_epoch_files(id_cache.path) == 1
 
 
+_NO_PROC_RANKS = """
+import sys
+import growcache._proc as proc
+proc.process_start_time = lambda pid: None  # a platform without /proc (macOS, some sandboxes)
+from conftest import ID_SCHEMA, write_shards
+from growcache import Cache
+from growcache.rendezvous import EpochShards, FileRendezvous, remove_stale_epoch_files
+cache = Cache(sys.argv[1], capacity="1GB", schema=ID_SCHEMA)
+write_shards(cache, [4])
+seq = cache.list_shards()[0].seq
+FileRendezvous(cache.path, ("run",), 0, 2).share(0, lambda: EpochShards(0, 7, (seq,)))
+print(remove_stale_epoch_files(cache.path))
+print(FileRendezvous(cache.path, ("run",), 1, 2, timeout=2).share(0, lambda: None).shards.seqs == (seq,))
+"""
+
+
+def test_an_epoch_file_without_start_time_is_live_where_the_platform_tells_none(tmp_path):
+    # Such a platform writes start_time null, as its leases: the other ranks read every epoch
+    # file as damaged (a dead first rank's), each open swept it, and every rank waited it out.
+    run = subprocess.run([sys.executable, "-c", _NO_PROC_RANKS, str(tmp_path / "c")], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.join(ROOT, "tests"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["0", "True"]
+
+
 # -- the work any value causes is bounded ----------------------------------------------------------
 def test_a_name_in_other_digits_is_no_shard_and_blocks_no_publish(id_cache):
     # re's \d and int() take any Unicode digit: one stray file named with Arabic-Indic digits for
