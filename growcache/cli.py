@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -87,10 +88,22 @@ def _progress(args: argparse.Namespace, desc: str, **kwargs: Any) -> Progress:
 def _existing_cache(path: str):
     from .cache import Cache
 
-    if not os.path.isdir(path):
-        raise _UsageError(f"{path} is not a directory: give the path of a growcache cache")
-    if not os.path.exists(os.path.join(path, "growcache.json")):
-        raise _UsageError(f"{path} is not a growcache cache (no growcache.json)")
+    # os.stat, not os.path.isdir/exists: they answer False on EACCES too, and a cache this user
+    # may not read is a failure to report, not a usage error.
+    metadata = os.path.join(path, "growcache.json")
+    try:
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            raise _UsageError(f"{path} is not a directory: give the path of a growcache cache")
+        os.lstat(metadata)
+    except FileNotFoundError as exc:
+        what = "is not a growcache cache (no growcache.json)" if exc.filename == metadata else \
+            "is not a directory (nothing is there)"
+        raise _UsageError(f"{path} {what}: give the path of a growcache cache") from None
+    except NotADirectoryError:
+        raise _UsageError(f"{path} is not a directory: give the path of a growcache cache") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot read cache {path} ({exc.strerror} on {exc.filename}): run as a user that "
+                                 "may read it (its owner, or a member of the group it was shared with)") from None
     return Cache(path)
 
 

@@ -47,6 +47,31 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 2
 
 
+def test_a_cache_this_user_may_not_read_is_a_failure_that_says_so(id_cache, tmp_path):
+    # os.path.exists said False on EACCES: "not a growcache cache (no growcache.json)", exit 2.
+    import growcache.cache  # noqa: F401 - imported before the child drops root (the stdlib may be root's only)
+
+    os.chmod(id_cache.path, 0)
+    err = tmp_path / "err"
+    pid = os.fork()
+    if pid == 0:  # a child, so that dropping root (the only way it is refused) ends with it
+        code = 3
+        try:
+            with open(err, "w") as out:
+                if os.geteuid() == 0:
+                    os.setgroups([])
+                    os.setgid(4242)
+                    os.setuid(4242)
+                sys.stderr = out
+                code = main(["status", id_cache.path])
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    os.chmod(id_cache.path, 0o700)
+    assert os.waitstatus_to_exitcode(status) == 1, err.read_text()
+    assert "Permission denied" in err.read_text() and "may read it" in err.read_text()
+
+
 def test_seconds_past_what_a_wait_can_take_are_usage_errors(id_cache, capsys):
     # inf or 1e300 passed the check: status --watch died of an OverflowError traceback in
     # time.sleep, and verify's progress thread died of one while the command exited 0.
