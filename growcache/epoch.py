@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -126,8 +128,10 @@ def run_id(explicit: str | None = None) -> str:
     """The id that keeps one training run's epoch files apart from another's.
 
     ``explicit``, else ``$GROWCACHE_RUN_ID``, else the launcher's: torchrun's
-    ``$TORCHELASTIC_RUN_ID``, SLURM's job and step ids. ``""`` when none is known: epoch files
-    of a run whose first rank is gone are ignored and removed anyway.
+    ``$TORCHELASTIC_RUN_ID``, SLURM's job and step ids, a PMIx namespace (Open MPI's
+    ``mpirun``), else what no two live jobs share: ``$MASTER_ADDR:$MASTER_PORT`` (torch's
+    ``env://`` rendezvous) or ``$TF_CONFIG``'s cluster (its addresses). ``""`` when none is
+    known: two such jobs on one cache would read each other's epoch files (the loaders warn).
     """
     if explicit:
         return str(explicit)
@@ -138,7 +142,25 @@ def run_id(explicit: str | None = None) -> str:
         return env["TORCHELASTIC_RUN_ID"]
     if env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+    if env.get("PMIX_NAMESPACE"):
+        return f"pmix-{env['PMIX_NAMESPACE']}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"master-{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    cluster = _tf_cluster(env.get("TF_CONFIG"))
+    if cluster:
+        return "tf-" + hashlib.sha256(cluster.encode()).hexdigest()[:16]
     return ""
+
+
+def _tf_cluster(config: str | None) -> str:
+    """``TF_CONFIG``'s cluster spec in one canonical form, or ``""`` (none, or not JSON)."""
+    if not config:
+        return ""
+    try:
+        cluster = json.loads(config).get("cluster")
+        return json.dumps(cluster, sort_keys=True) if cluster else ""
+    except (ValueError, AttributeError, TypeError):
+        return ""  # TensorFlow itself refuses a malformed TF_CONFIG
 
 
 @dataclass(frozen=True)
@@ -344,6 +366,17 @@ def trainer_epoch(number: int) -> Iterator[None]:
 _ORDINALS: dict[tuple, int] = {}
 _MEMBERS: dict[tuple, set[int]] = {}
 _MODES: dict[tuple, str] = {}
+_WARNED_NO_RUN_ID: set[str] = set()
+
+
+def _warn_no_run_id_once(cache: str) -> None:
+    if cache in _WARNED_NO_RUN_ID:
+        return
+    _WARNED_NO_RUN_ID.add(cache)
+    logger.warning("ranks agree on each epoch through files in %s/epochs without a run id (no run_id=, "
+                   "GROWCACHE_RUN_ID, torchrun, SLURM, MASTER_ADDR/MASTER_PORT or TF_CONFIG): another job "
+                   "on this cache without one would read this job's epoch files. Set GROWCACHE_RUN_ID to "
+                   "an id of this run in every rank", cache)
 _ORDINALS_LOCK = threading.Lock()
 
 
@@ -477,6 +510,8 @@ class Epochs:
                                      "local" if all(r in local for r in members) else "file")
         if mode == "local":
             return group, LocalRendezvous((self.cache.path, *key), group.size)
+        if not key[0]:
+            _warn_no_run_id_once(self.cache.path)
         return group, FileRendezvous(self.cache.path, key, group.rank, group.size,
                                      wait_for_shards=self.options.wait_for_shards,
                                      file_mode=self.cache.file_mode, dir_mode=self.cache.dir_mode)

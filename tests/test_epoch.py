@@ -44,9 +44,26 @@ def test_group_from_launcher_environment(monkeypatch):
 
 
 def test_run_id_comes_from_the_argument_or_the_launcher(monkeypatch):
-    for name in ("GROWCACHE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+    for name in ("GROWCACHE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE",
+                 "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     assert run_id() == ""
+    monkeypatch.setenv("TF_CONFIG", "not json")
+    assert run_id() == ""
+    # Two jobs on one cache without a launcher's id read each other's epoch files under one name:
+    # what no two live jobs share (their cluster's addresses, their rendezvous port) keeps them apart.
+    cluster = {"worker": ["h1:2222", "h2:2222"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}))
+    mine = run_id()
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"task": {"index": 0, "type": "worker"}, "cluster": cluster}))
+    assert run_id() == mine and mine.startswith("tf-")  # every worker of the job: one id
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["h1:2223", "h2:2223"]}}))
+    assert run_id() not in ("", mine)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert run_id() == "master-10.0.0.1:29500"
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-h1-123@1")
+    assert run_id() == "pmix-prterun-h1-123@1"
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert run_id() == "slurm-77."
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "te")
@@ -161,6 +178,24 @@ def test_a_rank_without_its_first_rank_fails_clearly(id_cache, monkeypatch):
         epochs.start()
     assert os.path.join(id_cache.path, EPOCHS_DIR) in str(info.value) and "GROWCACHE_RUN_ID" in str(info.value)
     assert id_cache.stats().leases == 0
+
+
+def test_ranks_agreeing_through_files_without_a_run_id_are_warned_once(id_cache, monkeypatch, caplog):
+    for name in ("GROWCACHE_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PMIX_NAMESPACE", "MASTER_ADDR",
+                 "MASTER_PORT", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    write_shards(id_cache, [4])
+    monkeypatch.setattr(rendezvous_module, "AGREE_TIMEOUT_S", 0.2)
+    with caplog.at_level("WARNING", logger="growcache"):
+        for _ in range(2):
+            with pytest.raises(EpochSyncError):
+                Epochs(id_cache, EpochOptions(2), world=(1, 2)).start()
+    warned = [r for r in caplog.records if "without a run id" in r.getMessage()]
+    assert len(warned) == 1 and "GROWCACHE_RUN_ID" in warned[0].getMessage(), caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="growcache"), pytest.raises(EpochSyncError):
+        Epochs(id_cache, EpochOptions(2, run_id="mine"), world=(1, 2)).start()
+    assert "without a run id" not in caplog.text
 
 
 def _dead_pid() -> int:
