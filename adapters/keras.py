@@ -294,6 +294,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save with ``save_freq="epoch"``; either way, tell the dataset that training is done
         with the epoch (it ends the epoch's lease and pin)."""
+        if not (self.params or {}).get("steps"):
+            # Without a steps_per_epoch of plain fit(), which reads on from this iterator in the next
+            # epoch, Keras drops the iterator now, with whatever it had left (fit_growing's
+            # steps_per_epoch, a callback's stop_training): the uninterrupted run reads the next epoch
+            # afresh, so the backup names that start, and this epoch's pin (12 hours) goes.
+            latest = getattr(getattr(self.dataset, "epochs", None), "latest", None)
+            if latest is not None and not latest.ended:
+                self._steps = max(self._steps, latest.batches())
         super().on_epoch_end(epoch, logs)  # Keras's: saves from now on name the next epoch
         if self._postponed:
             self._postponed = False

@@ -283,6 +283,40 @@ def test_a_save_on_the_epochs_last_batch_restores_that_epoch_whole_not_again(gro
     assert not backup.exists() and grown.stats().pins == 0
 
 
+def test_an_epoch_keras_cuts_short_is_over_in_the_backup_and_pins_nothing(grown, tmp_path):
+    # steps_per_epoch under fit_growing: Keras drops each epoch's iterator after 10 of its 33
+    # batches, and the next epoch reads a fresh snapshot. The backup at an epoch's end named the
+    # unfinished epoch (a resume warned it abandoned it) and pinned its shards for 12 hours, also
+    # after the run had ended and deleted the backup.
+    log: list = []
+    reference = _Epochs(log)
+    fit_growing(_model(log), _dataset(grown, label="id"), epochs=3, verbose=0, steps_per_epoch=10,
+                callbacks=[reference])
+
+    def preempt(epoch, logs):
+        if epoch == 2:
+            raise RuntimeError("preempted")
+
+    backup, ds = tmp_path / "backup", _dataset(grown, label="id")
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit_growing(_model(log), ds, epochs=3, verbose=0, steps_per_epoch=10, callbacks=[
+            BackupAndRestore(backup, ds), keras.callbacks.LambdaCallback(on_epoch_begin=preempt)])
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    assert (metadata["epoch"], metadata["growcache"]["epoch"], metadata["growcache"]["snapshot"]) == (2, 2, None)
+    assert grown.stats().pins == 0
+
+    resumed, ds = _Epochs(log), _dataset(grown, label="id")
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0, steps_per_epoch=10,
+                          callbacks=[BackupAndRestore(backup, ds), resumed])
+    assert history.epoch == [2] and resumed.by_epoch[2] == reference.by_epoch[2]
+    assert not backup.exists() and grown.stats().pins == 0
+    # Saves every 3 batches: the run's end leaves no pin either.
+    ds = _dataset(grown, label="id")
+    fit_growing(_model(log), ds, epochs=2, verbose=0, steps_per_epoch=10,
+                callbacks=[BackupAndRestore(backup, ds, save_freq=3)])
+    assert not backup.exists() and grown.stats().pins == 0
+
+
 class KilledWhileSaving(Recording):
     """Its second weights save is cut short (half a file), as by a kill in the middle of it."""
 
