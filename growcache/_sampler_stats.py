@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _proc
 from .errors import CacheFormatError
-from .manifest import _WRITE_TEMP, _dumps, _unlink_quiet, atomic_write_bytes, read_state_file
+from .manifest import _WRITE_TEMP, _dumps, _unlink_quiet, atomic_write_bytes, make_dir, read_state_file
 
 logger = logging.getLogger("growcache.sampler")
 
@@ -55,10 +55,7 @@ def write(cache_path: str, pool: int, figures: Mapping[str, Any], *, dir_mode: i
     path = stats_path(cache_path, pool)
     folder = os.path.dirname(path)
     try:
-        try:
-            os.mkdir(folder, dir_mode)
-        except FileExistsError:
-            pass
+        make_dir(folder, dir_mode)
         if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a link put there: write nothing through it
             return
         atomic_write_bytes(path, _dumps(dict(figures)), file_mode, durable=False)

@@ -31,7 +31,8 @@ from .errors import (
 from .batching import other_schema
 from .eviction import EvictionPolicy, choose_evictions_fifo
 from .example import ExampleCodec, RecordChecker
-from .manifest import FORMAT_VERSION, METADATA_FILE, PIN_NAME, SHARDS_DIR, Manifest, _unlink_quiet, fsync_dir
+from .manifest import (FORMAT_VERSION, METADATA_FILE, PIN_NAME, SHARDS_DIR, Manifest, _unlink_quiet, create_file,
+                       fsync_dir)
 from .records import check_records, compressed_file_message, detect_compression, iter_records
 from .rendezvous import remove_stale_epoch_files
 from .schema import Schema
@@ -496,9 +497,8 @@ class Cache:
                     f"{source} is {_file_kind(opened.st_mode)}, not a regular file: add_shard reads TFRecord files "
                     "only. Give the path of a regular file."
                 )
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+            dst = create_file(tmp, self.file_mode)
             try:
-                os.fchmod(dst, self.file_mode)  # exact bits whatever the umask
                 with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
                     shutil.copyfileobj(fin, fout, 8 << 20)
             except BaseException:

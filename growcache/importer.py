@@ -43,6 +43,7 @@ from .errors import (
     TransientSourceError,
 )
 from .example import AmbiguousRecordError, ExampleCodec, RecordChecker, scan_example
+from .manifest import create_file
 from .records import (
     FOOTER_BYTES,
     HEADER_BYTES,
@@ -331,7 +332,7 @@ class _TempShard:
 
     def __init__(self, cache: Cache, start: int) -> None:
         self.path = os.path.join(cache.shards_dir, temp_shard_name(os.urandom(6).hex()))
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, cache.file_mode)
+        self.fd = create_file(self.path, cache.file_mode)
         # A piece may wait long for its publish (the rest of the file, room in a full cache): its
         # heartbeat keeps another machine's cleanup from judging it abandoned meanwhile.
         _proc.keep_alive(self.path)

@@ -71,6 +71,19 @@ def fsync_dir(path: str) -> None:
 _WRITE_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # the temporaries atomic_write_bytes names
 
 
+def create_file(path: str, mode: int) -> int:
+    """Create the new file ``path`` (never an existing one or a link) with exactly ``mode``,
+    whatever the umask; return its descriptor, open for writing.
+
+    The umask would strip the bits ``Cache(mode=0o770)`` asks for: under a strict one (077) a
+    shard came out 0o600, and the group sharing the cache could not read it.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    with contextlib.suppress(OSError):  # a filesystem without modes keeps what it has
+        os.fchmod(fd, mode)
+    return fd
+
+
 def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
 
@@ -78,10 +91,8 @@ def atomic_write_bytes(path: str, data: bytes, mode: int = 0o600, *, durable: bo
     may bring back the old file (for state that dies with its processes anyway).
     """
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = create_file(tmp, mode)
     try:
-        with contextlib.suppress(OSError):  # a filesystem without modes keeps what it has
-            os.fchmod(fd, mode)  # exact bits whatever the umask: a group sharing the cache reads it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -127,7 +138,7 @@ class Manifest:
         if parent:
             os.makedirs(parent, exist_ok=True)
         for directory in (self.root, self.shards_dir, self.leases_dir):
-            _make_dir(directory, mode)
+            make_dir(directory, mode)
         self.check_layout()
 
     def check_layout(self) -> None:
@@ -158,7 +169,7 @@ class Manifest:
 
     def make_subdir(self, directory: str, mode: int) -> None:
         """Create ``directory`` (``epochs/`` or ``sources/``) if missing; refuse a link there."""
-        _make_dir(directory, mode)
+        make_dir(directory, mode)
         self.check_layout()
 
     def check_lock(self) -> None:
@@ -637,7 +648,7 @@ def _dumps(data: dict[str, Any]) -> bytes:
     return json.dumps(data, indent=1, sort_keys=True).encode()
 
 
-def _make_dir(path: str, mode: int) -> None:
+def make_dir(path: str, mode: int) -> None:
     """Create the directory ``path`` with exactly ``mode``; leave one that exists as it is.
 
     The umask would strip the bits ``Cache(mode=0o770)`` asks for (to 0o750 under the usual

@@ -13,6 +13,7 @@ from . import _proc
 from ._vectored_io import write_all
 from .errors import CacheFullError, SchemaError
 from .example import ExampleCodec
+from .manifest import create_file
 from .records import FOOTER_BYTES, HEADER_BYTES, crc32c, frame_footer, frame_header, frame_pieces
 from .schema import Schema
 from .shard import SHARD_SUFFIX, TMP_PREFIX, ShardInfo, scan_shards
@@ -189,7 +190,7 @@ class ShardWriter:
         self._cache_path = os.path.dirname(os.path.abspath(shards_dir))  # for messages
         self.path = os.path.join(shards_dir, temp_shard_name(os.urandom(6).hex()))
         self._owner_pid = os.getpid()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode)
+        self._fd: int | None = create_file(self.path, file_mode)
         # Another machine judges this temporary by its heartbeat; a slow sampler may not
         # write to it for longer than the expiry.
         _proc.keep_alive(self.path)

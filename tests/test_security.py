@@ -357,6 +357,31 @@ def test_a_cache_a_group_shares_gets_its_mode_under_the_usual_umask(tmp_path, us
     assert {name: oct(mode) for name, mode in files.items()} == {name: "0o660" for name in files}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_every_shard_and_stats_file_takes_the_caches_mode_whatever_the_umask(tmp_path, umask):
+    # Shards (a writer's, an added copy's, an import's) and the samplers' stats files were created
+    # with the umask taken off: under 077, mode=0o770 made 0o600 shards the group could not read.
+    from growcache import _sampler_stats
+    from growcache.importer import import_files
+
+    old = os.umask(umask)
+    try:
+        cache = Cache(tmp_path / "c", schema=ID_SCHEMA, mode=0o770)
+        modes = _modes(cache, tmp_path)
+        import_files(cache.list_shards()[0].path, cache)
+        _sampler_stats.write(cache.path, 0, {"records": 1}, dir_mode=cache.dir_mode, file_mode=cache.file_mode)
+        stats = _sampler_stats.stats_path(cache.path, 0)
+        imported = max(cache.list_shards(), key=lambda s: s.seq).path
+    finally:
+        os.umask(old)
+    modes.update({"imported shard": stat.S_IMODE(os.stat(imported).st_mode),
+                  "stats file": stat.S_IMODE(os.stat(stats).st_mode),
+                  "stats dir": stat.S_IMODE(os.stat(os.path.dirname(stats)).st_mode)})
+    dirs = {"cache dir", "shards dir", "leases dir", "stats dir"}
+    assert {name: oct(mode) for name, mode in modes.items()} == {
+        name: "0o770" if name in dirs else "0o660" for name in modes}
+
+
 def _id_sample(rng):
     return id_sample(int(rng.integers(0, 1000)))
 
