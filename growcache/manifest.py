@@ -68,6 +68,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_REBUILDS_TOLD: set[tuple[str, str]] = set()  # (state file, damage) warned of in this process
 _WRITE_TEMP = re.compile(r"\.[0-9a-f]{32}\.tmp$")  # the temporaries atomic_write_bytes names
 
 
@@ -353,8 +354,12 @@ class Manifest:
         what = damage or (f"{self.state_path} is missing" if stored is None
                           else f"{self.state_path}: field(s) {', '.join(bad)} missing, out of range or behind the "
                                "shards present")
-        logger.warning("%s; rebuilt %s from the %d shards present (shards published and evicted before now "
-                       "are no longer counted)", what, ", ".join(bad), len(shards))
+        # Once per damage: a cache this process cannot repair (read-only) is read again at every
+        # stats() call, and `growcache status --watch` repeated the warning every interval.
+        level = logging.DEBUG if (self.state_path, what) in _REBUILDS_TOLD else logging.WARNING
+        _REBUILDS_TOLD.add((self.state_path, what))
+        logger.log(level, "%s; rebuilt %s from the %d shards present (shards published and evicted before now "
+                   "are no longer counted)", what, ", ".join(bad), len(shards))
         return state
 
     def write_state(self, state: dict[str, int]) -> None:

@@ -296,6 +296,18 @@ def test_damaged_counters_are_rebuilt_from_the_listing_and_block_nothing(tmp_pat
     assert "rebuilt" not in caplog.text, "the rebuilt counters were written back"
 
 
+def test_counters_that_stay_damaged_are_warned_of_once_per_process(tmp_path, caplog):
+    # A cache this process does not repair (opened before the damage, or read-only) is read again
+    # at every stats() call: `growcache status --watch` repeated the warning every interval.
+    cache, _ = _populated(tmp_path)
+    with open(os.path.join(cache.path, "state.json"), "wb") as f:
+        f.write(b"\x00garbage{")
+    with caplog.at_level("WARNING", logger="growcache"):
+        figures = [cache.stats().published for _ in range(3)]
+    assert figures == [2, 2, 2]
+    assert len([r for r in caplog.records if "rebuilt" in r.getMessage()]) == 1, caplog.text
+
+
 # -- the command line on a damaged cache: exit 1, saying what is wrong (issue 18) --------------
 def _cli(*argv) -> tuple[int, str]:
     import contextlib
