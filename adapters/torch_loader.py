@@ -126,6 +126,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         self.resume_ttl = resume_ttl
         self._prefetch_factor = self.prefetch_factor
         self._closed = False
+        self._delivering: Any = lambda: None  # a weak reference to the epoch handed out last
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
         if delivery is not None:
             delivery.bind(self)
@@ -155,6 +156,8 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         if self._closed:
             return
         self._closed = True
+        if (delivering := self._delivering()) is not None:
+            delivering.close()  # non-persistent workers stop with their epoch's iterator, not at its collection
         if self._delivery is not None:
             self._delivery.close()
         if self._iterator is not None:  # persistent workers
@@ -194,7 +197,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
             raise RuntimeError("this growcache loader was closed: build a new one with make_torch_loader")
         context = self.multiprocessing_context
         method = context.get_start_method() if context is not None else torch.multiprocessing.get_start_method()
-        previous = getattr(self, "_delivering", lambda: None)()  # the epoch handed out last, if it lives
+        previous = self._delivering()  # the epoch handed out last, if it lives
         if previous is not None and not (self.persistent_workers and self.num_workers):
             previous.close()  # held by `it = iter(loader)`: its workers stop before new ones reclaim the slabs
         began = self._meter.clock()
@@ -209,6 +212,11 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         return delivering
 
     def _start_workers(self) -> Any:
+        # torch resets persistent workers, dead ones too: one killed worker (SIGKILL, the OOM killer)
+        # would fail this epoch and every later one. Fresh workers read it instead.
+        if self._iterator is not None and not all(w.is_alive() for w in self._iterator._workers):
+            self._iterator._shutdown_workers()
+            self._iterator = None
         # Slabs cut short by a small /dev/shm: prefetch only what their slots hold, rather than
         # send the rest through torch's own shared memory, in the same full /dev/shm.
         short = self._slots - self._stream.feed.slots

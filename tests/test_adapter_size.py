@@ -17,8 +17,10 @@ ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 # DataLoader attributes that report what the loader does. Issue 30's TensorFlow resume wires in
 # 20 lines (resume_ttl, state_dict/load_state_dict, the replay's skip, the eager iterator's
 # count); the mechanism is growcache.pull_feed and growcache.resume. Closing the epoch a new iter()
-# replaces, before its workers could write into reclaimed slabs, takes 4 lines of torch loader.
-MAX_LINES = 710
+# replaces, before its workers could write into reclaimed slabs, takes 4 lines of torch loader. Review:
+# 8 more lines of torch loader replace persistent DataLoader workers of which one died (torch reset
+# the dead one with the rest, and every later epoch failed), and stop non-persistent ones at close().
+MAX_LINES = 718
 
 
 def test_the_two_adapters_together_stay_within_their_line_budget():

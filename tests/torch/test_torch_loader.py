@@ -174,6 +174,43 @@ def test_dead_worker_is_an_error_not_a_hang(id_cache):
     assert killed_at == 4 and delivered - killed_at <= 2, f"{delivered - killed_at} batches after the kill"
 
 
+def test_a_dead_persistent_worker_is_replaced_at_the_next_epoch(id_cache):
+    # torch resets persistent workers for every epoch, a dead one too: after one worker was killed
+    # (the OOM killer), every later iter() failed again, and a loop that caught the error and
+    # went on could never read another epoch from this loader.
+    written = write_shards(id_cache, [20] * 6)
+    loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True, prefetch_factor=1)
+    with pytest.raises(RuntimeError, match="(?i)worker"):
+        for delivered, _ in enumerate(loader, 1):
+            if delivered == 3:
+                os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
+    for epoch in range(2):
+        assert sorted(_epoch(loader)) == written, f"epoch {epoch} after the kill: duplicates or gaps"
+    assert all(w.is_alive() for w in loader._iterator._workers), "the fresh workers persist"
+    loader.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_close_mid_epoch_stops_non_persistent_workers_and_their_reading(id_cache, context):
+    # close() said it stopped the workers, yet non-persistent ones (owned by the epoch's
+    # iterator, which `it` still held) read on after it had released the epoch's lease, and
+    # `it` went on handing out batches of shards that eviction could now take.
+    import multiprocessing
+
+    write_shards(id_cache, [20] * 6)
+    loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=False,
+                               multiprocessing_context=context)
+    before = set(multiprocessing.active_children())
+    it = iter(loader)
+    next(it)
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2
+    loader.close()
+    assert not [w for w in workers if w.is_alive()], "workers still run after close()"
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 def test_empty_cache_waits_then_raises(tmp_path):
     # Counted, not timed: an epoch looks at the empty cache again until wait_for_shards runs out.
     empty = LookCountingCache(tmp_path / "empty")
