@@ -130,7 +130,10 @@ class Flow:
     def _take(self, nbytes: int, holder: int | None = None) -> None:
         self.bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        if holder is not None:
+        # A claim of no bytes (an object whose size the store did not tell) holds nothing, and its
+        # release is a no-op: registered, it stayed for good, one number per sample (RSS grew all
+        # run), and the oldest of them, long written, barred the oldest real holder from going over.
+        if holder is not None and nbytes:
             self._holders.add(holder)
 
     def acquire(self, nbytes: int, holder: int | None = None) -> None:

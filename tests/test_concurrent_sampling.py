@@ -401,3 +401,30 @@ def test_growcache_sample_concurrency_flag(tmp_path):
     assert _records(Cache(cache_dir)) == _expected(source, 4, 90)
     assert main(["sample", "-q", f"file://{store}/*.npy", str(tmp_path / "bad"), "--window", "2",
                  "--concurrency", "0"]) != 0
+
+
+def test_samples_that_claim_no_bytes_leave_no_holder_behind():
+    # An object whose size the store does not tell (an HTTP server answering HEAD without
+    # Content-Length, or gzip-encoded) is claimed as 0 bytes. Each such sample once stayed a
+    # holder of the budget for good: one number per sample all run long, and the oldest of them,
+    # long written, barred the oldest real holder from going over, so samples of two reads hung.
+    from growcache._concurrent import Flow, Ticket
+
+    flow = Flow(8, 100)
+    for _ in range(1000):
+        ticket = Ticket(flow)
+        ticket.acquire(0)
+        ticket.release()
+    assert not flow._holders, f"{len(flow._holders)} holders left by samples that hold nothing"
+
+    first, second = Ticket(flow), Ticket(flow)
+    first.acquire(60)
+    second.acquire(40)  # the budget is full; each waits for room for its next read
+    got = threading.Event()
+
+    def second_read():
+        first.acquire(10)  # the oldest holder goes over the budget, so that it finishes
+        got.set()
+
+    threading.Thread(target=second_read, daemon=True).start()
+    assert got.wait(30), "the oldest sample holding bytes never got its second read"
