@@ -1389,15 +1389,25 @@ class _SampleLoop:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg
-        if cfg.concurrency > 1:
-            self.engine = make_engine(self.source, cfg.concurrency)
-        if self.engine is None:
-            self._run_serial()
+        serial = cfg.concurrency <= 1
+        try:
+            # Making the filesystem (a token fetch) and listing a large or silent bucket can take
+            # minutes: stop() interrupts them as it does a sample call, instead of waiting out its
+            # timeout and terminating the worker.
+            with self.sampling:
+                if not serial:
+                    self.engine = make_engine(self.source, cfg.concurrency)
+                    serial = self.engine is None
+                prepare = getattr(self.source, "prepare", None)
+                if not serial and prepare is not None:
+                    prepare()  # listing is a sync call: never from inside the event loop
+        except _Interrupted:
+            pass  # stopped before the first sample
         else:
-            prepare = getattr(self.source, "prepare", None)
-            if prepare is not None:
-                prepare()  # listing is a sync call: never from inside the event loop
-            self._run_concurrent()
+            if serial:
+                self._run_serial()
+            else:
+                self._run_concurrent()
         if self.writer is not None:
             self.publish()  # the shard in progress is finished: published if it fits without waiting
         self.join_publisher()

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 from http_store import FaultyHTTPStore, wait_until as _wait
-from stores import s3, s3_server  # noqa: F401
+from stores import SilentServer, s3, s3_server  # noqa: F401
 
 from growcache import Cache, Schema
 from growcache.errors import SamplerError
@@ -202,6 +202,25 @@ def test_stop_returns_within_seconds_while_requests_hang(tmp_path, http):
         pool.stop(raise_on_failure=False)
     assert time.monotonic() - started < 10, "stop() cancels the requests in flight, never waits for them"
     assert _temporaries(cache) == []
+
+
+@pytest.mark.timeout(90)
+def test_stop_interrupts_a_concurrent_worker_still_listing_a_silent_store(tmp_path, caplog):
+    # A concurrent worker lists the glob before its first sample (a big bucket's listing takes
+    # minutes); stop() once waited out its whole timeout there, then terminated the worker.
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SilentServer() as silent:
+        source = NpyWindowSource(f"{silent.endpoint}/data/*.npy", WINDOW,
+                                 retry=RetryPolicy(stall_timeout=120, deadline=300))
+        pool = SamplerPool(cache, source, workers=1, concurrency=8).start()
+        try:
+            _wait(lambda: silent.connections >= 1, what="the listing request")
+            time.sleep(0.3)
+        finally:
+            with caplog.at_level("WARNING", logger="growcache"):
+                final = pool.stop(timeout=30, raise_on_failure=False)
+    assert "did not stop within" not in caplog.text, "the listing was waited for, then the worker terminated"
+    assert not final.failed and _temporaries(cache) == []
 
 
 # -- user sources: concurrent only when they say so ------------------------------------------------
