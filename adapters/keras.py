@@ -218,6 +218,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     and renamed into place, so a kill at any moment leaves the previous or the new backup,
     never weights of one and the position of another.
 
+    With an integer ``save_freq``, an epoch in which a backup was saved also saves at its end,
+    naming the next epoch: the snapshot of an epoch that has ended is no longer pinned, so a
+    backup naming a batch of it could find its shards evicted on restore.
+
     Args:
         backup_dir: a local directory for this run's backup only, as Keras's.
         dataset: the dataset :func:`growcache.make_tf_dataset` returned (before any ``map``:
@@ -244,7 +248,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.on_missing = on_missing
         self._steps = 0  # batches taken in this epoch from its iterator
         self._slot: str | None = None  # the weights file the metadata names
-        self._in_batch = self._postponed = False
+        self._in_batch = False
+        # The backup names a batch of the running epoch (or a save waits for its end): the epoch's
+        # pin ends with the epoch, so the epoch's end saves again, naming the next epoch.
+        self._behind = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restore the weights, the epoch and the dataset's position from the backup, if any."""
@@ -271,6 +278,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
         self.dataset.load_state_dict(metadata["growcache"], on_missing=self.on_missing)
         self._slot = metadata["weights"]
+        self._behind = isinstance(metadata["growcache"], dict) and metadata["growcache"].get("snapshot") is not None
         self.model._initial_epoch = metadata["epoch"]
         logger.info("restored from %s: epoch %d, the dataset at batch %d of it", self.backup_dir, metadata["epoch"],
                     metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
@@ -303,10 +311,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if latest is not None and not latest.ended:
                 self._steps = max(self._steps, latest.batches())
         super().on_epoch_end(epoch, logs)  # Keras's: saves from now on name the next epoch
-        if self._postponed:
-            self._postponed = False
+        if self.save_freq == "epoch":
+            return
+        if self._behind:
+            # A backup left naming a batch of this epoch, whose pin ends now, would fail its restore
+            # with MissingShardsError once a full cache evicted the epoch's tail (a preemption
+            # before the next epoch's first save).
             self._save_model()
-        elif self.save_freq != "epoch":
+        else:
             self.dataset.state_dict(consumed=self._steps)
 
     def _save_model(self) -> None:
@@ -316,7 +328,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             # Keras's epoch number gets there only at the epoch's end, after validation and the
             # other callbacks. A backup of this epoch with that state would train it again whole
             # on restore; the save waits for on_epoch_end, as save_freq="epoch" saves.
-            self._postponed = True
+            self._behind = True
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         slot = self._SLOTS[1] if self._slot == self._SLOTS[0] else self._SLOTS[0]
@@ -329,3 +341,4 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # The commit: the weights it names are written whole.
         atomic_write_bytes(os.path.join(self.backup_dir, self._METADATA), json.dumps(metadata).encode(), 0o644)
         self._slot = slot
+        self._behind = state.get("snapshot") is not None

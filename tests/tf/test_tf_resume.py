@@ -7,6 +7,7 @@ hostile state is refused naming its field."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -315,6 +316,35 @@ def test_an_epoch_keras_cuts_short_is_over_in_the_backup_and_pins_nothing(grown,
     fit_growing(_model(log), ds, epochs=2, verbose=0, steps_per_epoch=10,
                 callbacks=[BackupAndRestore(backup, ds, save_freq=3)])
     assert not backup.exists() and grown.stats().pins == 0
+
+
+def test_a_backup_never_names_an_epoch_that_has_ended(grown, tmp_path):
+    # save_freq=5 over 33 steps: the last save of epoch 1 is at a step before its end, and the
+    # epoch's pin ends with the epoch. A preemption before epoch 2's first save restored from
+    # that backup, whose shards a full cache had evicted meanwhile: MissingShardsError.
+    log: list = []
+    backup, ds = tmp_path / "backup", _dataset(grown, label="id")
+    try:
+        fit_growing(_model(log), ds, epochs=3, verbose=0,
+                    callbacks=[BackupAndRestore(backup, ds, save_freq=5), _Epochs(log, stop_epoch=2, stop_at=0)])
+    except RuntimeError as exc:  # not pytest.raises: its traceback would keep epoch 2's iterator (and lease)
+        assert "preempted" in str(exc)
+    else:
+        raise AssertionError("the run was not stopped")
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    assert (metadata["epoch"], metadata["growcache"]["epoch"], metadata["growcache"]["snapshot"]) == (2, 2, None)
+    # The downtime: the samplers of a full cache evict everything not pinned, and publish anew.
+    gc.collect()  # the stopped run's Keras objects (the iterator, its lease) may sit in cycles
+    deadline = time.monotonic() + 10
+    while (grown.evict(to=0) or grown.list_shards()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # TensorFlow tears the dropped iterator down on its own threads
+    assert not grown.list_shards(), f"the stopped run still holds {grown.stats()}"
+    write_shards(grown, [30], first_id=50_000)
+    resumed, ds = _Epochs(log), _dataset(grown, label="id")
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0,
+                          callbacks=[BackupAndRestore(backup, ds, save_freq=5), resumed])
+    assert history.epoch == [2] and sorted(i for batch in resumed.by_epoch[2] for i in batch) == \
+        list(range(50_000, 50_030))
 
 
 class KilledWhileSaving(Recording):
