@@ -207,6 +207,12 @@ class Ticket:
         nbytes, self.nbytes = self.nbytes, 0
         self.flow.release(nbytes, self.number)
 
+    def give_back(self, nbytes: int) -> None:
+        """Release ``nbytes`` of the bytes held (a read the sample dropped); the rest stay held."""
+        nbytes = min(nbytes, self.nbytes)
+        self.nbytes -= nbytes
+        self.flow.release(nbytes, None if self.nbytes else self.number)
+
 
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("growcache_ticket", default=None)
 

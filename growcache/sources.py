@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import functools
 import io
+import logging
 import math
 import struct
 import threading
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 _MAX_NPY_HEADER = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 Decoder = Callable[[bytes, str], "np.ndarray | Mapping[str, Any]"]
 
@@ -151,15 +154,31 @@ class ObjectSource(StoreSource):
         return f", decoder={getattr(self.decoder, '__name__', self.decoder)!r}, feature={self.feature!r}"
 
     def sample(self, rng: np.random.Generator) -> Sample:
-        path = self._choose(rng)
-        self._claim_bytes(self._size(path))
-        return self._decode(path, self._fetch(path))
+        while True:
+            path, size = self._choose(rng), 0
+            try:
+                size = self._size(path)
+                self._claim_bytes(size)
+                data = self._fetch(path)
+            except SourceError as exc:
+                if self._passes_over(path, exc, size):
+                    continue
+                raise
+            return self._decode(path, data)
 
     async def sample_async(self, rng: np.random.Generator) -> Sample:
         """:meth:`sample` through the async filesystem (a sampler with ``concurrency > 1`` calls it)."""
-        path = self._choose(rng)
-        await self._aclaim_bytes(await self._asize(path))
-        return self._decode(path, await self._afetch(path))
+        while True:
+            path, size = self._choose(rng), 0
+            try:
+                size = await self._asize(path)
+                await self._aclaim_bytes(size)
+                data = await self._afetch(path)
+            except SourceError as exc:
+                if self._passes_over(path, exc, size):
+                    continue
+                raise
+            return self._decode(path, data)
 
     def _decode(self, path: str, data: bytes) -> Sample:
         try:
@@ -368,19 +387,55 @@ class NpyWindowSource(StoreSource):
         return header
 
     def sample(self, rng: np.random.Generator) -> Sample:
-        path = self._choose(rng)
-        header = self.header(path)
-        first, start, end = self._window(header, rng)
-        self._claim_bytes(end - start)
-        return self._unpack(path, header, first, start, end, self._fetch(path, start, end))
+        while True:
+            path, claimed = self._choose(rng), 0
+            try:
+                cached = path in self._headers
+                header = self.header(path)
+                first, start, end = self._window(header, rng)
+                self._claim_bytes(end - start)
+                claimed = end - start
+                return self._unpack(path, header, first, start, end, self._fetch(path, start, end))
+            except SourceError as exc:
+                if not (self._passes_over(path, exc, claimed) or self._changed(path, exc, cached, claimed)):
+                    raise
 
     async def sample_async(self, rng: np.random.Generator) -> Sample:
         """:meth:`sample` through the async filesystem (a sampler with ``concurrency > 1`` calls it)."""
-        path = self._choose(rng)
-        header = await self.aheader(path)
-        first, start, end = self._window(header, rng)
-        await self._aclaim_bytes(end - start)
-        return self._unpack(path, header, first, start, end, await self._afetch(path, start, end))
+        while True:
+            path, claimed = self._choose(rng), 0
+            try:
+                cached = path in self._headers
+                header = await self.aheader(path)
+                first, start, end = self._window(header, rng)
+                await self._aclaim_bytes(end - start)
+                claimed = end - start
+                return self._unpack(path, header, first, start, end, await self._afetch(path, start, end))
+            except SourceError as exc:
+                if not (self._passes_over(path, exc, claimed) or self._changed(path, exc, cached, claimed)):
+                    raise
+
+    def _changed(self, path: str, exc: SourceError, cached: bool, claimed: int) -> bool:
+        """True if a window came back short because ``path`` was rewritten shorter since its header was
+        read: the header is read again at the next draw of it. A file short under a header read just now
+        is truncated: left out if a glob found it, else the error stands."""
+        if not isinstance(exc, _ShortWindow):
+            return False
+        if cached:
+            with self._lock:
+                self._headers.pop(path, None)
+            logger.warning("%s changed since its .npy header was read: reading the header again", self._url(path))
+        elif path in (self._named or ()):
+            return False
+        else:
+            self._unclaim_bytes(claimed)
+            self._leave_out(path, "is shorter than its .npy header says (truncated)")
+            return True
+        self._unclaim_bytes(claimed)
+        return True
+
+    def _forget(self, path: str) -> None:
+        self._headers.pop(path, None)
 
     def _window(self, header: NpyHeader, rng: np.random.Generator) -> tuple[int, int, int]:
         """The first row of a random window, and the byte range of its rows."""
@@ -390,12 +445,16 @@ class NpyWindowSource(StoreSource):
 
     def _unpack(self, path: str, header: NpyHeader, first: int, start: int, end: int, data: bytes) -> Sample:
         if len(data) != end - start:
-            raise SourceError(
+            raise _ShortWindow(
                 f"{self._url(path)} returned {len(data)} bytes for rows {first}-{first + self.window}, expected "
                 f"{end - start}: the file is shorter than its header says (truncated or replaced while read)."
             )
         window = np.frombuffer(data, dtype=header.dtype).reshape((self.window, *header.shape[1:]))
         return {self.feature: window}
+
+
+class _ShortWindow(SourceError):
+    """A window read came back shorter than the file's header says it is."""
 
 
 def open_source(

@@ -104,6 +104,7 @@ class StoreSource(Source):
         self._protocol: str = ""
         self._paths: list[str] | None = None
         self._sizes: dict[str, int] = {}  # object sizes the listing gave
+        self._named: frozenset[str] | None = None  # paths of the URLs without a glob (made with the fs)
         self._lock = threading.RLock()
         self._pool_connections: int | None = None  # requests a sampler keeps in flight, set by it
         self._outage_since: float | None = None
@@ -373,6 +374,12 @@ class StoreSource(Source):
         if ticket is not None:
             await ticket.acquire_async(nbytes)
 
+    def _unclaim_bytes(self, nbytes: int) -> None:
+        """Give back ``nbytes`` claimed for a read the sample no longer holds."""
+        ticket = current_ticket()
+        if ticket is not None and nbytes:
+            ticket.give_back(nbytes)
+
     def _size(self, path: str) -> int:
         """The size of object ``path``: from the listing, else asked once (only by a concurrent sampler,
         whose byte budget needs it before the fetch)."""
@@ -419,6 +426,7 @@ class StoreSource(Source):
                                         if isinstance(info.get("size"), int) and info["size"] >= 0})
                 else:
                     found.add(path)
+            self._named = frozenset(fs._strip_protocol(url) for url in self.urls if not _GLOB_CHARS & set(url))
             if not found:
                 raise SourceError(self._redact(
                     f"no objects match {', '.join(self.urls)}: check the bucket, prefix and pattern "
@@ -430,6 +438,41 @@ class StoreSource(Source):
     def _choose(self, rng: np.random.Generator) -> str:
         paths = self.paths()
         return paths[int(rng.integers(len(paths)))]
+
+    def _passes_over(self, path: str, exc: BaseException, claimed: int = 0) -> bool:
+        """True if ``path``, found by a glob, is gone from the store (``exc`` says not found): it is
+        left out of this process's paths with one WARNING, and the sample draws another path with
+        its RNG. A live bucket loses objects; one of thousands deleted once failed the whole pool.
+        A path the URLs name without a glob stays an error (a typo, or data the user asked for).
+
+        ``claimed``: bytes the sample claimed for ``path``, given back to the byte budget.
+        """
+        cause = exc.__cause__ if isinstance(exc, SourceError) else None
+        if not isinstance(cause, FileNotFoundError) or path in (self._named or ()):
+            return False
+        self._unclaim_bytes(claimed)
+        self._leave_out(path, "vanished from the store since it was listed")
+        return True
+
+    def _leave_out(self, path: str, why: str) -> None:
+        """Sample no more from ``path`` in this process (its WARNING once); raise once no path is left."""
+        with self._lock:
+            paths = self._paths or []
+            left = [p for p in paths if p != path]
+            if len(left) == len(paths):
+                return  # another sample left it out first
+            self._paths = left  # a new list: samples in other threads index the old one meanwhile
+            self._sizes.pop(path, None)
+            self._forget(path)
+        logger.warning("%s %s; it is left out of this sampler's draws (%d objects left)", self._url(path), why,
+                       len(left))
+        if not left:
+            raise SourceError(self._redact(
+                f"every object matching {', '.join(self.urls)} is gone from the store or changed since it was "
+                "listed: check the bucket and prefix, and restart the pool once the data is back"))
+
+    def _forget(self, path: str) -> None:
+        """Drop what this process cached about ``path``. Assumes you hold ``self._lock``."""
 
     def check(self) -> None:
         self.paths()

@@ -447,3 +447,39 @@ def test_samples_that_claim_no_bytes_leave_no_holder_behind():
 
     threading.Thread(target=second_read, daemon=True).start()
     assert got.wait(30), "the oldest sample holding bytes never got its second read"
+
+
+# -- a live bucket: objects deleted or rewritten while the pool samples ---------------------------
+@pytest.mark.parametrize("kind", ["object", "window"])
+def test_an_object_deleted_from_s3_mid_run_is_passed_over_not_the_end_of_the_pool(tmp_path, s3, kind, capfd):
+    # One object of the glob deleted while the pool ran once failed the whole pool (a permanent
+    # "not found"), though the others were there and a live bucket loses objects all the time.
+    urls = _arrays(s3.put, count=4, rows=20)  # moto reads the whole object per ranged GET
+    glob = f"{s3.url}/a*.npy"
+    if kind == "object":
+        source = ObjectSource(glob, decoder=first_word, storage_options=s3.storage_options, retry=QUICK)
+    else:
+        source = NpyWindowSource(glob, WINDOW, storage_options=s3.storage_options, retry=QUICK)
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, source, workers=1, concurrency=8, shard_size="4KB", max_shard_age=0.3) as pool:
+        pool.wait_for(records=40, timeout=60)
+        s3.fs().rm(s3.fs()._strip_protocol(urls[1]))
+        before = pool.stats().records
+        pool.wait_for(records=before + 200, timeout=60)  # raises SamplerError had the pool failed
+    err = capfd.readouterr().err  # the workers' log
+    assert f"{urls[1]} vanished from the store" in err
+    assert "growcache-test-secret" not in err
+
+
+def test_a_npy_rewritten_shorter_mid_run_is_read_with_its_new_header(tmp_path):
+    store = _local_arrays(tmp_path)  # a0, a1, a2: 2000 rows each
+    source = NpyWindowSource(str(store / "*.npy"), WINDOW)
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with SamplerPool(cache, source, workers=1, concurrency=8, shard_size="4KB", max_shard_age=0.3) as pool:
+        pool.wait_for(records=100, timeout=60)
+        shorter = np.full((50, 4), -7, dtype=np.int64)  # a window past row 50 would come back short
+        np.save(store / "tmp.npy", shorter)
+        os.replace(store / "tmp.npy", store / "a1.npy")
+        before = pool.stats().records
+        pool.wait_for(records=before + 1500, timeout=60)
+    assert any(np.frombuffer(r, dtype=np.int64)[0] == -7 for r in _records(cache)), "the new a1.npy is sampled"
