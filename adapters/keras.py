@@ -132,14 +132,23 @@ def fit_growing(
     if hasattr(model, "_initial_epoch"):
         model._initial_epoch = None
     logs: dict | None = None
+    backups = [c for c in callbacks or () if isinstance(c, BackupAndRestore)]
+    steps = fit_kwargs.get("steps_per_epoch")
     for epoch in range(start, epochs):
         data = dataset(epoch) if callable(dataset) and not isinstance(dataset, tf.data.Dataset) else dataset
+        kwargs = fit_kwargs
+        done = max((b.restored_steps for b in backups), default=0) if epoch == start else 0
+        if steps and done:
+            # Keras counts steps_per_epoch again from the restore: the restored epoch trains its rest.
+            kwargs = {**fit_kwargs, "steps_per_epoch": max(int(steps) - done, 1)}
+        for backup in backups:
+            backup.epoch_steps = kwargs.get("steps_per_epoch")
         # Keras under tf.distribute reads a batch from a fresh iterator before each fit()'s epoch:
         # pinned to the trainer's epoch, both iterators read this one epoch of the dataset.
         with warnings.catch_warnings(), trainer_epoch(epoch):
             warnings.filterwarnings("ignore", message=_RAN_OUT)
             history = model.fit(
-                data, epochs=epoch + 1, initial_epoch=epoch, callbacks=run, verbose=verbose, **fit_kwargs
+                data, epochs=epoch + 1, initial_epoch=epoch, callbacks=run, verbose=verbose, **kwargs
             )
         logs = {name: values[-1] for name, values in history.history.items() if values}
         # fit() resets stop_training when it starts, so an EarlyStopping request made at
@@ -252,6 +261,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # The backup names a batch of the running epoch (or a save waits for its end): the epoch's
         # pin ends with the epoch, so the epoch's end saves again, naming the next epoch.
         self._behind = False
+        #: Batches of the restored epoch the backup had trained (0: none restored, or an epoch's start).
+        self.restored_steps = 0
+        #: The running fit()'s steps_per_epoch under fit_growing (set by it), else ``None``.
+        self.epoch_steps: int | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restore the weights, the epoch and the dataset's position from the backup, if any."""
@@ -279,6 +292,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.dataset.load_state_dict(metadata["growcache"], on_missing=self.on_missing)
         self._slot = metadata["weights"]
         self._behind = isinstance(metadata["growcache"], dict) and metadata["growcache"].get("snapshot") is not None
+        self.restored_steps = int(metadata["growcache"].get("progress", 0)) if self._behind else 0
         self.model._initial_epoch = metadata["epoch"]
         logger.info("restored from %s: epoch %d, the dataset at batch %d of it", self.backup_dir, metadata["epoch"],
                     metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
@@ -323,11 +337,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_model(self) -> None:
         state = self.dataset.state_dict(consumed=self._steps)
-        if self._in_batch and self._steps and state.get("snapshot") is None:
-            # The epoch's last batch: the dataset's state is the next epoch's start already, and
-            # Keras's epoch number gets there only at the epoch's end, after validation and the
-            # other callbacks. A backup of this epoch with that state would train it again whole
-            # on restore; the save waits for on_epoch_end, as save_freq="epoch" saves.
+        last = state.get("snapshot") is None or (self.epoch_steps is not None and self._steps >= self.epoch_steps)
+        if self._in_batch and self._steps and last:
+            # The epoch's last batch (the dataset's, or Keras's under fit_growing's steps_per_epoch):
+            # the dataset's state is the next epoch's start already, or will be at the epoch's end,
+            # and Keras's epoch number gets there only then, after validation and the other
+            # callbacks. A backup of this epoch with that state would train it again (whole, or one
+            # step more) on restore; the save waits for on_epoch_end, as save_freq="epoch" saves.
             self._behind = True
             return
         os.makedirs(self.backup_dir, exist_ok=True)

@@ -318,6 +318,36 @@ def test_an_epoch_keras_cuts_short_is_over_in_the_backup_and_pins_nothing(grown,
     assert not backup.exists() and grown.stats().pins == 0
 
 
+# Keras's save counter runs on across epochs: save_freq=3 saves at epoch 1's steps 2, 5 and 8;
+# save_freq=5 at its steps 5 and 10, Keras's last of the epoch.
+@pytest.mark.parametrize("save_freq,stop_at", [(3, 7), (5, 9)])
+def test_a_restored_epoch_trains_only_the_rest_of_fit_growings_steps_per_epoch(grown, tmp_path, save_freq, stop_at):
+    # Keras counts steps_per_epoch again from a restore: the restored epoch trained 10 more steps
+    # after the 8 it had, where the uninterrupted run trains 10 in all. A save on Keras's last
+    # step named the epoch at its 10th batch: restored, it trained a step more than the run.
+    log: list = []
+    reference = _Epochs(log)
+    fit_growing(_model(log), _dataset(grown, label="id"), epochs=3, verbose=0, steps_per_epoch=10,
+                callbacks=[reference])
+    assert [len(reference.by_epoch[e]) for e in range(3)] == [10, 10, 10]
+    backup, ds = tmp_path / "backup", _dataset(grown, label="id")
+    stopped = _Epochs(log, stop_epoch=1, stop_at=stop_at)
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit_growing(_model(log), ds, epochs=3, verbose=0, steps_per_epoch=10,
+                    callbacks=[BackupAndRestore(backup, ds, save_freq=save_freq), stopped])
+    before = list(stopped.by_epoch[1])
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    saved = metadata["growcache"]["progress"]
+    assert metadata["epoch"] == 1 and saved == {3: 8, 5: 5}[save_freq], metadata  # never step 10: the last
+    resumed, ds = _Epochs(log), _dataset(grown, label="id")
+    history = fit_growing(_model(log), ds, epochs=3, verbose=0, steps_per_epoch=10,
+                          callbacks=[BackupAndRestore(backup, ds, save_freq=save_freq), resumed])
+    assert history.epoch == [1, 2]
+    assert before[:saved] + resumed.by_epoch[1] == reference.by_epoch[1]  # the rest of epoch 1, batch by batch
+    assert resumed.by_epoch[2] == reference.by_epoch[2]  # then epoch 2, as the uninterrupted run
+    assert not backup.exists() and grown.stats().pins == 0
+
+
 def test_a_backup_never_names_an_epoch_that_has_ended(grown, tmp_path):
     # save_freq=5 over 33 steps: the last save of epoch 1 is at a step before its end, and the
     # epoch's pin ends with the epoch. A preemption before epoch 2's first save restored from
