@@ -189,13 +189,18 @@ class ReleaseQueue:
         done = 0
         # Events may come from several streams, so one that has not completed does not
         # hide a later one that has; the queue is a few entries long.
-        while self._pending:
-            entry = self._pending.popleft()
-            if entry[0].query():
-                done += 1
-            else:
-                waiting.append(entry)
-        self._pending = waiting
+        try:
+            while self._pending:
+                if self._pending[0][0].query():
+                    done += 1
+                else:
+                    waiting.append(self._pending[0])
+                self._pending.popleft()
+        finally:
+            # A query that raised (a CUDA error) completed nothing: every holder not seen
+            # done stays, or its slot would be refilled under a copy that may still read it.
+            waiting.extend(self._pending)
+            self._pending = waiting
         return done
 
     def drain(self, make_event: Callable[[], CompletionEvent] | None = None) -> None:

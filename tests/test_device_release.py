@@ -155,6 +155,29 @@ def test_poll_frees_completed_events_behind_a_pending_one():
     assert release.poll() == 1 and release.pending == 1
 
 
+def test_a_query_that_raises_frees_no_slot_whose_copy_is_not_done():
+    # A CUDA error surfaces from cudaEventQuery: the queue must not have dropped the holders it
+    # had looked at (or not yet) when the error came, and their slots stay held.
+    class Failing(Event):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    slab = Slab(LAYOUT, slots=3)
+    release = ReleaseQueue()
+    events = [Event(), Failing(), Event()]
+    for k, event in enumerate(events):
+        views = slab.open(_fill(slab, ROWS * k))
+        release.hold(views, event)
+        del views
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        release.poll()
+    gc.collect()
+    assert release.pending == 3 and _free_slots(slab) == 0
+    events[0].done = events[2].done = True
+    events[1].query = lambda: True  # the error was taken out; its copy completes
+    assert release.poll() == 3 and _free_slots(slab) == 3
+
+
 def test_drain_waits_for_every_event():
     release = ReleaseQueue()
     events = [Event() for _ in range(3)]
