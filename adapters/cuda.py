@@ -15,7 +15,8 @@ reads them directly, and the training process does no per-batch copy.
   zero-copy views of the registered slot, so ``is_pinned()`` is true and the consumer's own
   ``.to(device, non_blocking=True)`` is a DMA. The loader cannot see those copies: a slot is
   freed only after the consumer dropped every view of it *and* an event recorded later on
-  the consumer's current stream has completed (:meth:`ReleaseQueue.guard` and ``fence``).
+  the current stream of every device with a context has completed (:meth:`ReleaseQueue.guard`
+  and ``fence``).
 
 Tensors that are not in a registered slot reach the device through pinned staging memory
 from torch's caching host allocator, which tracks its own blocks against the copies that read
@@ -264,20 +265,48 @@ class _Closer:
         if self.registry.closed:
             return
         try:
-            # A consumer's own copies from pinned views: everything enqueued on its stream so
-            # far completes before the memory stops being page-locked.
-            self.release.close(_record_on_current if self.pin else None)
             if self.pin and torch.cuda.is_initialized():
-                torch.cuda.current_stream().synchronize()
+                # A consumer's own copies from pinned views, of batches let go or still held:
+                # everything enqueued on a current stream so far completes first.
+                self.release.drain(_record_on_current)
+                _record_on_current().synchronize()
+            self.release.drain()
             self.registry.close()
+            # Only now: from here on a batch let go is freed at once, as no copy from it can
+            # be in flight (closed before that sync, a view dropped in between freed its slot
+            # while the copy from it still ran).
+            self.release.close()
         except Exception as exc:  # noqa: BLE001 - interpreter shutdown may have taken CUDA down first
             logger.debug("growcache CUDA delivery close: %s", exc)
 
 
-def _record_on_current() -> torch.cuda.Event:
-    event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream())
-    return event
+class _AllOf(tuple):
+    """Completion events taken as one: complete when every one of them is."""
+
+    def query(self) -> bool:
+        return all(event.query() for event in self)
+
+    def synchronize(self) -> None:
+        for event in self:
+            event.synchronize()
+
+
+def _record_on_current() -> _AllOf:
+    """An event on the current stream of every device this process has a CUDA context on.
+
+    ``x.to("cuda:N", non_blocking=True)`` enqueues on device N's current stream, whichever
+    device is current (a DDP rank that never called ``torch.cuda.set_device``, a job on
+    ``cuda:1``): an event on the current device's stream alone would not order that copy.
+    """
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda index: False)  # creates none
+    events = []
+    for index in range(torch.cuda.device_count()):
+        if index == current or has_context(index):
+            event = torch.cuda.Event(blocking=True)
+            event.record(torch.cuda.current_stream(index))
+            events.append(event)
+    return _AllOf(events)
 
 
 class CudaDelivery:
@@ -346,10 +375,11 @@ class CudaDelivery:
                        ) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch of pinned CPU batches for the consumer's own ``non_blocking`` copies.
 
-        Contract: a copy from a batch must be enqueued on the stream that is current when
-        the next batch is requested (or on one that stream has waited on) before the batch
-        is dropped. The slot is freed once the batch is dropped and an event recorded on the
-        current stream at a later request (or at close) has completed.
+        Contract: a copy from a batch must be enqueued on a stream that is current (for its
+        device) when the next batch is requested (or on one that stream has waited on) before
+        the batch is dropped. The slot is freed once the batch is dropped and an event recorded
+        on the current stream of every device with a context, at a later request (or at
+        close), has completed.
         """
         device = torch.device("cuda", torch.cuda.current_device())
         for host in host_batches:

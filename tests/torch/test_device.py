@@ -138,6 +138,28 @@ def test_close_and_context_manager_without_a_device(id_cache):
     loader.close()  # idempotent
 
 
+def test_a_fence_is_complete_only_when_the_event_of_every_device_is():
+    # pin_memory=True fences on the current stream of every device with a CUDA context: a copy
+    # to cuda:1 while cuda:0 is current runs on cuda:1's stream, which cuda:0's event never sees.
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    idle, busy = Event(True), Event(False)
+    fence = cuda_adapter._AllOf([idle, busy])
+    release = ReleaseQueue()
+    release.hold(object(), fence)
+    assert release.poll() == 0 and release.pending == 1  # one device's stream has not reached it
+    release.drain()
+    assert busy.done and release.pending == 0
+
+
 class _LateEvent:
     """Completes its copy only when asked a second time or waited for, as a DMA may run late."""
 
@@ -302,6 +324,27 @@ def test_pin_memory_gives_pinned_zero_copy_views_safe_for_your_own_copies(big_ca
             assert sorted(ids) == big_cache.written
 
 
+def test_pin_memory_copies_to_a_device_that_is_not_current_stay_intact(big_cache, cuda):
+    # A DDP rank that never called torch.cuda.set_device, or a job on cuda:1: the copies run on
+    # the other device's stream, behind ~5 ms of its work, while cuda:0 (current) is idle.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices: a copy to a device that is not the current one")
+    other = torch.device("cuda", 1 - cuda.index)
+    with make_torch_loader(big_cache, 2, num_workers=2, prefetch_factor=1, pin_memory=True) as loader:
+        on_device = []
+        for batch in loader:
+            with torch.cuda.device(other):
+                torch.cuda._sleep(5_000_000)  # on `other`'s current stream, not the current device's
+            on_device.append((batch["id"].to(other, non_blocking=True), batch["x"].to(other, non_blocking=True)))
+            del batch
+        ids = []
+        for id_tensor, x in on_device:
+            batch_ids = id_tensor.tolist()
+            assert torch.equal(x, torch.from_numpy(_expected(batch_ids, big=True)).to(other)), batch_ids
+            ids += batch_ids
+        assert sorted(ids) == big_cache.written
+
+
 def test_pin_memory_copy_true_copies_into_pinned_memory(big_cache, cuda):
     with make_torch_loader(big_cache, 2, num_workers=1, pin_memory=True, copy=True) as loader:
         slab = loader._stream.feed.slabs
@@ -326,9 +369,11 @@ def test_close_and_garbage_collection_unregister_every_slab(big_cache, cuda):
         else:
             del loader
             gc.collect()
+        torch.ones(1, device=cuda)  # no stale CUDA error left behind (a kernel launch would raise it)
         for address in addresses:  # unregistering again fails: it is no longer registered
             assert int(cudart.cudaHostUnregister(address)) != 0
-        torch.ones(1, device=cuda)  # and no stale CUDA error is left behind
+        # Each failure above is this thread's last CUDA error now, raised by the next kernel launch.
+        cuda_adapter._take_stale_error(cuda)
 
 
 def test_a_failed_registration_warns_once_then_stages_correctly(big_cache, cuda):
