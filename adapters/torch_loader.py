@@ -47,11 +47,15 @@ _FRAMES = {"tfrecord": tfrecord_frames, "growcache": growcache_frames}
 
 
 def _to_transport(item: Any) -> Any:
-    # collate_fn, in the worker: a batch of numpy arrays (no free slot) becomes tensors, which
-    # DataLoader sends through torch's own shared memory.
+    # collate_fn, in the worker: a batch of numpy arrays (no free slot) moves into torch's shared memory
+    # here, not in the result queue's feeder thread, where a full /dev/shm lost the batch (a printed
+    # ENOSPC) and the trainer waited for it for good. Without room it goes pickled, as numpy.
     if isinstance(item, Unslotted):
-        return item._replace(arrays=_to_transport(item.arrays))
-    if isinstance(item, dict):
+        try:
+            return item._replace(arrays={k: torch.from_numpy(v).share_memory_() for k, v in item.arrays.items()})
+        except RuntimeError:
+            return item
+    if isinstance(item, dict):  # read in the training process, or an unslotted batch that came pickled
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
     return item
 
@@ -250,7 +254,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         slabs = self._stream.feed.slabs
         for item in self._stream.feed.received(iterator, self.epochs):
             if not isinstance(item, SlotHandle):
-                yield item
+                yield _to_transport(item)
             elif self._delivery is not None:
                 yield SlotBatch(slabs[item.slab], item)
             else:

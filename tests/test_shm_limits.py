@@ -200,6 +200,64 @@ def test_a_spawn_loader_in_a_real_64mib_shm_never_dies_of_sigbus(tmp_path):
     assert run.stderr.count("batch slots wanted") == 1, run.stderr[-3000:]
 
 
+_NO_SLOT_RUN = """
+import faulthandler, json, sys
+from growcache import Cache
+from growcache.adapters.torch_loader import make_torch_loader
+
+def epoch(loader, keep):
+    ids = []
+    for batch in loader:
+        assert all((x == i % 256).all() for i, x in zip(batch["id"].tolist(), batch["x"].numpy()))
+        ids += batch["id"].tolist()
+        keep.append(batch) if keep is not None else None
+    return sorted(ids)
+
+def main():
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows its stacks, not only the test's timeout
+    cache = Cache(sys.argv[1])
+    out = {}
+    # The default shuffle window wants 19 slots of 2 MiB per worker; the slabs take what 64 MiB holds,
+    # and the window's other batches find no slot.
+    with make_torch_loader(cache, 8, num_workers=2, multiprocessing_context="spawn") as loader:
+        out["spawn"] = epoch(loader, None)
+    # Forked workers' slabs take no /dev/shm, but a loop that keeps its batches (96 MiB) holds every slot.
+    kept = []
+    with make_torch_loader(cache, 8, num_workers=2, multiprocessing_context="fork", shuffle_buffer=0) as loader:
+        out["fork, kept"] = epoch(loader, kept)
+    print(json.dumps(out), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_batches_without_a_slot_reach_the_trainer_when_shm_is_full(tmp_path):
+    # A batch without a free slot went through torch's shared memory, allocated in the worker's
+    # result-queue feeder thread: in a full /dev/shm that thread printed ENOSPC and dropped the
+    # batch, and the trainer waited for it for good. Both cases below hung.
+    pytest.importorskip("torch")
+    prefix, how = _private_shm_prefix("64m")
+    if not prefix:
+        if _fullfs.in_ci():
+            pytest.fail(f"CI=true requires a private 64 MiB /dev/shm, and none could be mounted here ({how})",
+                        pytrace=False)
+        pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace here ({how})")
+    cache = Cache(tmp_path / "c", schema=Schema({"id": ("int64", ()), "x": ("uint8", (256 << 10,))}))
+    for shard in range(6):
+        with cache.writer() as writer:
+            for i in range(shard * 64, (shard + 1) * 64):
+                writer.write({"id": np.int64(i), "x": np.full(256 << 10, i % 256, np.uint8)})
+    script = tmp_path / "run.py"
+    script.write_text(_NO_SLOT_RUN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([*prefix, sys.executable, str(script), cache.path], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert run.returncode == 0, f"exit {run.returncode} under {how}:\n{run.stderr[-3000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out == {"spawn": list(range(384)), "fork, kept": list(range(384))}
+
+
 # -- sweeps -------------------------------------------------------------------------------------
 _SLAB_OWNER = """
 import base64, pickle, sys, time
