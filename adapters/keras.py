@@ -137,12 +137,12 @@ def fit_growing(
     for epoch in range(start, epochs):
         data = dataset(epoch) if callable(dataset) and not isinstance(dataset, tf.data.Dataset) else dataset
         kwargs = fit_kwargs
-        done = max((b.restored_steps for b in backups), default=0) if epoch == start else 0
+        done = max((b._restored_steps for b in backups), default=0) if epoch == start else 0
         if steps and done:
             # Keras counts steps_per_epoch again from the restore: the restored epoch trains its rest.
             kwargs = {**fit_kwargs, "steps_per_epoch": max(int(steps) - done, 1)}
         for backup in backups:
-            backup.epoch_steps = kwargs.get("steps_per_epoch")
+            backup._epoch_steps = kwargs.get("steps_per_epoch")
         # Keras under tf.distribute reads a batch from a fresh iterator before each fit()'s epoch:
         # pinned to the trainer's epoch, both iterators read this one epoch of the dataset.
         with warnings.catch_warnings(), trainer_epoch(epoch):
@@ -261,10 +261,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # The backup names a batch of the running epoch (or a save waits for its end): the epoch's
         # pin ends with the epoch, so the epoch's end saves again, naming the next epoch.
         self._behind = False
-        #: Batches of the restored epoch the backup had trained (0: none restored, or an epoch's start).
-        self.restored_steps = 0
-        #: The running fit()'s steps_per_epoch under fit_growing (set by it), else ``None``.
-        self.epoch_steps: int | None = None
+        # Batches of the restored epoch the backup had trained (0: none restored, or an epoch's start).
+        self._restored_steps = 0
+        # The running fit()'s steps_per_epoch under fit_growing (set by it), else None.
+        self._epoch_steps: int | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restore the weights, the epoch and the dataset's position from the backup, if any."""
@@ -292,7 +292,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.dataset.load_state_dict(metadata["growcache"], on_missing=self.on_missing)
         self._slot = metadata["weights"]
         self._behind = isinstance(metadata["growcache"], dict) and metadata["growcache"].get("snapshot") is not None
-        self.restored_steps = int(metadata["growcache"].get("progress", 0)) if self._behind else 0
+        self._restored_steps = int(metadata["growcache"].get("progress", 0)) if self._behind else 0
         self.model._initial_epoch = metadata["epoch"]
         logger.info("restored from %s: epoch %d, the dataset at batch %d of it", self.backup_dir, metadata["epoch"],
                     metadata["growcache"].get("progress", 0) if isinstance(metadata["growcache"], dict) else 0)
@@ -337,7 +337,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_model(self) -> None:
         state = self.dataset.state_dict(consumed=self._steps)
-        last = state.get("snapshot") is None or (self.epoch_steps is not None and self._steps >= self.epoch_steps)
+        last = state.get("snapshot") is None or (self._epoch_steps is not None and self._steps >= self._epoch_steps)
         if self._in_batch and self._steps and last:
             # The epoch's last batch (the dataset's, or Keras's under fit_growing's steps_per_epoch):
             # the dataset's state is the next epoch's start already, or will be at the epoch's end,
