@@ -179,6 +179,24 @@ def other_schema(path: str, exc: SchemaError) -> CorruptShardError:
     return CorruptShardError(path, 0, f"its records follow another schema than the cache's: {str(exc).split('. ')[0]}")
 
 
+#: What a shard that cannot be opened any more raises in a reader (a ``FileNotFoundError``...).
+GONE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def vanished(path: str, exc: OSError) -> CorruptShardError:
+    """A shard of the epoch that is gone (or a directory now) when its reader opens it: the
+    epoch's lease keeps growcache's own eviction off it, so a person or a process deleted it, or
+    another machine's cleanup judged the lease dead. Named, and passed over under
+    ``on_corrupt="skip"`` like a corrupt one (its records are lost to this epoch)."""
+    return CorruptShardError(
+        path, 0, f"it cannot be read ({exc.strerror or type(exc).__name__}): deleted or replaced while this "
+                 "epoch's lease held it",
+        "Nothing else in the cache is affected and the next epoch reads the shards present; read with "
+        "on_corrupt='skip' to go on past it. If nobody deleted it, another process judged this one's lease "
+        "dead: containers that share a hostname need GROWCACHE_NODE set to a name of their own, and a "
+        "process paused for longer than GROWCACHE_OWNER_EXPIRY loses its lease")
+
+
 def malformed(path: str, offset: int, exc: ValueError) -> CorruptShardError:
     """A record with valid framing and CRCs that is not one well-formed ``tf.train.Example``
     (a bad wire type, a field past its message's end, an ambiguous one) is corrupt: named with
@@ -420,6 +438,8 @@ class BatchReader:
                 yield self._skip(exc, share, index, got, corrupt)
             except SchemaError as exc:  # a shard of another schema among the cache's: a corrupt one
                 yield self._skip(other_schema(path, exc), share, index, got, corrupt)
+            except GONE as exc:
+                yield self._skip(vanished(path, exc), share, index, got, corrupt)
             self.records_read += got
         if window:
             yield from close_window(placed)

@@ -50,7 +50,7 @@ class SharedMemoryFullError(GrowcacheError, OSError):
 
 
 class CorruptShardError(GrowcacheError, ValueError):
-    """A shard failed a CRC32C check or ended mid-record.
+    """A shard failed a CRC32C check or ended mid-record (or vanished while an epoch read it).
 
     Attributes:
         path: the shard file.
@@ -58,18 +58,18 @@ class CorruptShardError(GrowcacheError, ValueError):
         reason: what was wrong at that offset.
     """
 
-    def __init__(self, path: str, offset: int, reason: str) -> None:
+    _FIX = ("The shard cannot be trusted: run `growcache verify --remove-corrupt CACHE_DIR` "
+            "to drop it (other shards are untouched), or read with on_corrupt='skip'.")
+
+    def __init__(self, path: str, offset: int, reason: str, fix: str | None = None) -> None:
         self.path = str(path)
         self.offset = int(offset)
         self.reason = reason
-        super().__init__(
-            f"corrupt shard {self.path} at byte offset {self.offset}: {reason}. "
-            "The shard cannot be trusted: run `growcache verify --remove-corrupt CACHE_DIR` "
-            "to drop it (other shards are untouched), or read with on_corrupt='skip'."
-        )
+        self._fix = fix
+        super().__init__(f"corrupt shard {self.path} at byte offset {self.offset}: {reason}. {fix or self._FIX}")
 
-    def __reduce__(self):  # keep (path, offset, reason) across process boundaries
-        return (type(self), (self.path, self.offset, self.reason))
+    def __reduce__(self):  # keep (path, offset, reason, fix) across process boundaries
+        return (type(self), (self.path, self.offset, self.reason, self._fix))
 
 
 class CacheFormatError(GrowcacheError, ValueError):

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 
 from ._vectored_io import pread_into
-from .batching import Allocate, BatchReader, ReaderShare, Skipped, malformed, other_schema, past_gone
+from .batching import (GONE, Allocate, BatchReader, ReaderShare, Skipped, malformed, other_schema, past_gone,
+                       vanished)
 from .errors import CorruptShardError, SchemaError
 from ._protowire import MAX_VARINT_BYTES, wide_varint_rows_ok
 from .example import BatchDecoder, ExampleCodec
@@ -669,6 +670,8 @@ class VectorReader(BatchReader):
                 yield self._skip(exc, share, index, start + got, corrupt)
             except SchemaError as exc:  # a shard of another schema among the cache's: a corrupt one
                 yield self._skip(other_schema(path, exc), share, index, start + got, corrupt)
+            except GONE as exc:
+                yield self._skip(vanished(path, exc), share, index, start + got, corrupt)
             self.records_read += got
         if window.entries:
             yield from window.close()

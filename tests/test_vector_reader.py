@@ -14,6 +14,7 @@ window inside a piece) occurs.
 from __future__ import annotations
 
 import os
+import pickle
 import platform
 import shutil
 
@@ -586,7 +587,30 @@ def test_a_directory_named_like_a_shard_fails_as_in_the_record_reader(tmp_path, 
     fake = os.path.join(os.path.dirname(shard.path), "000000000099-3r-%db.tfrecord" % shard.nbytes)
     os.mkdir(fake)
     result, _ = compare(ID_SCHEMA, share_of([shard.path, fake], [3, 3]), batch_size=2, on_corrupt="skip")
-    assert result[-1][0] == "error"
+    skipped = [item[1] for item in result if item[0] == "skipped"]
+    assert [(s.path, s.offset, s.records) for s in skipped] == [(fake, 0, 3)] and rows_of(result) == 3, result
+    result, _ = compare(ID_SCHEMA, share_of([shard.path, fake], [3, 3]), batch_size=2)
+    assert result[-1][:3] == ("corrupt", fake, 0) and "cannot be read" in result[-1][3], result
+
+
+def test_a_shard_deleted_while_its_epoch_reads_is_named_and_skipped_as_a_corrupt_one(tmp_path, mode):
+    # Its lease keeps growcache's eviction off it, so a person or another machine's cleanup deleted
+    # it: a bare FileNotFoundError, no fix, and on_corrupt="skip" did not apply.
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [3, 4, 5])
+    shards = cache.list_shards()
+    share = share_of([s.path for s in shards], [3, 4, 5])
+    os.unlink(shards[1].path)
+    result, _ = compare(ID_SCHEMA, share, batch_size=2, on_corrupt="skip")
+    skipped = [item[1] for item in result if item[0] == "skipped"]
+    assert [(s.path, s.records) for s in skipped] == [(shards[1].path, 4)] and rows_of(result) == 8, result
+    result, _ = compare(ID_SCHEMA, share, batch_size=2)
+    assert result[-1][:3] == ("corrupt", shards[1].path, 0), result
+    with pytest.raises(CorruptShardError, match="deleted or replaced while this epoch's lease held it") as info:
+        list(VectorReader(ID_SCHEMA, 2).batches(share, lambda n: (None, {
+            "id": np.empty(n, np.int64), "x": np.empty((n, 4, 8), np.float32)})))
+    assert "GROWCACHE_NODE" in str(info.value) and "verify --remove-corrupt" not in str(info.value)
+    assert pickle.loads(pickle.dumps(info.value)).args == info.value.args  # as it crosses from a worker
 
 
 # -- properties -------------------------------------------------------------------------------

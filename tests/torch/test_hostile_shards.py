@@ -107,6 +107,30 @@ def test_a_shard_cut_at_a_record_boundary_is_corrupt_in_a_torch_epoch(tmp_path, 
     assert [(s.path, s.records) for s in loader.skipped] == [(short.path, 8 - (len(ids) - 8))]
 
 
+@pytest.mark.parametrize("reader", ["growcache", "tfrecord"])
+def test_a_shard_deleted_under_its_epoch_is_a_corrupt_shard_that_skip_passes_over(tmp_path, reader):
+    # The epoch's lease keeps eviction off its shards; one deleted by hand (or by another machine's
+    # cleanup) raised a bare FileNotFoundError, with no fix, that on_corrupt="skip" did not skip.
+    cache = Cache(tmp_path / "c", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [6, 6, 6])
+    loader = make_torch_loader(cache, 4, num_workers=0, reader=reader, shuffle_buffer=0)
+    batches = iter(loader)  # the epoch's snapshot: read from the first next() on
+    gone = loader.last_epoch.shards[1].path
+    os.unlink(gone)
+    with pytest.raises(CorruptShardError, match="deleted or replaced while this epoch's lease held it") as info:
+        for _ in batches:
+            pass
+    assert (info.value.path, info.value.offset) == (gone, 0)
+    loader.close()
+    loader = make_torch_loader(cache, 4, num_workers=0, reader=reader, shuffle_buffer=0, on_corrupt="skip")
+    batches = iter(loader)
+    write_shards(cache, [6], first_id=100)  # not in this epoch
+    os.unlink(loader.last_epoch.shards[0].path)
+    ids = sorted(i for batch in batches for i in batch["id"].tolist())
+    assert ids == list(range(12, 18)) and [s.records for s in loader.skipped] == [6]
+    loader.close()
+
+
 @pytest.mark.parametrize("reader", ["tfrecord", "growcache"])
 @pytest.mark.parametrize("damage", [b"\x0f", b"\x0a\x7f"])  # wire type 7; a field running past its message
 def test_a_malformed_example_under_a_valid_crc_is_a_corrupt_shard_named_at_its_record(tmp_path, reader, damage):
