@@ -83,7 +83,7 @@ def resolve_device(device: Any) -> torch.device | None:
     """The CUDA device that ``device`` names, or ``None`` for batches left on the CPU.
 
     Args:
-        device: ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        device: ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an index ``N`` or a ``torch.device``.
             ``"cuda"`` without an index stays unresolved here: it means the current device
             of each epoch (each rank's own under DDP).
 
@@ -93,6 +93,8 @@ def resolve_device(device: Any) -> torch.device | None:
     """
     if device is None:
         return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # a LOCAL_RANK: torch reads an int as an accelerator, which fails without one
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -306,7 +306,7 @@ def make_torch_loader(
             (features above 256 KiB per batch are views of a CUDA-registered slab, reused only
             once the copies you enqueued on the current stream before dropping the batch are
             done). Without CUDA it warns and is ignored. Default: ``False``.
-        device: ``"cuda"`` (each epoch's current device), ``"cuda:N"`` or a ``torch.device``:
+        device: ``"cuda"`` (each epoch's current device), ``"cuda:N"``, an index or a ``torch.device``:
             batches arrive on that GPU, copied from registered slabs on a side stream one
             batch ahead; ``pin_memory`` and ``copy`` then do nothing. Default: ``None`` (CPU).
         persistent_workers: keep workers between epochs. Default: ``num_workers > 0``.

@@ -103,6 +103,9 @@ def test_device_cuda_without_cuda_is_a_clear_error_at_construction(id_cache):
     assert "device=None" in str(info.value)
     with pytest.raises(DeviceError, match="CUDA is not available"):
         make_torch_loader(id_cache, 2, device="cuda:1")
+    # An index (a LOCAL_RANK) is a CUDA device too: it was a ValueError that called it no device.
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        make_torch_loader(id_cache, 2, device=0)
 
 
 def test_device_cpu_is_the_plain_path(id_cache):
