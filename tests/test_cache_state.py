@@ -193,6 +193,18 @@ def test_a_directory_named_like_an_epoch_file_leaves_the_cache_usable(id_cache, 
     assert id_cache.snapshot().shards
 
 
+def test_a_directory_at_the_first_ranks_epoch_file_is_an_error_naming_it(id_cache):
+    # It raised a raw IsADirectoryError from unlinking an earlier attempt's file.
+    write_shards(id_cache, [4])
+    rendezvous = FileRendezvous(id_cache.path, ("run",), 0, 2, file_mode=id_cache.file_mode,
+                                dir_mode=id_cache.dir_mode)
+    os.mkdir(rendezvous.path(0))
+    with pytest.raises(CacheFormatError, match="is a directory, where the first rank writes") as info:
+        rendezvous.share(0, lambda: pytest.fail("no epoch is taken"))
+    assert rendezvous.path(0) in str(info.value) and "Remove it" in str(info.value)
+    assert os.path.isdir(rendezvous.path(0))
+
+
 def test_an_oversized_state_file_is_refused_without_reading_it_whole(id_cache):
     with open(os.path.join(id_cache.path, "growcache.json"), "ab") as f:
         f.truncate(1 << 30)  # sparse: a 1 GiB metadata file
