@@ -366,7 +366,8 @@ def trainer_epoch(number: int) -> Iterator[None]:
 _ORDINALS: dict[tuple, int] = {}
 _MEMBERS: dict[tuple, set[int]] = {}
 _MODES: dict[tuple, str] = {}
-_WARNED_NO_RUN_ID: set[str] = set()
+_WARNED_NO_RUN_ID: set[str] = set()  # caches whose ranks were told to set a run id
+_ORDINALS_LOCK = threading.Lock()
 
 
 def _warn_no_run_id_once(cache: str) -> None:
@@ -377,7 +378,6 @@ def _warn_no_run_id_once(cache: str) -> None:
                    "GROWCACHE_RUN_ID, torchrun, SLURM, MASTER_ADDR/MASTER_PORT or TF_CONFIG): another job "
                    "on this cache without one would read this job's epoch files. Set GROWCACHE_RUN_ID to "
                    "an id of this run in every rank", cache)
-_ORDINALS_LOCK = threading.Lock()
 
 
 class Epochs:

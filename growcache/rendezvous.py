@@ -461,7 +461,7 @@ class FileRendezvous:
         if self.rank == 0:
             remove_stale_epoch_files(os.path.dirname(self.dir))
             _proc.let_go(path)  # its heartbeat, if an earlier attempt of this process wrote it
-            if os.path.isdir(path) and not os.path.islink(path):  # the sweep leaves directories alone
+            if _is_directory(path):  # the sweep leaves directories alone
                 raise CacheFormatError(
                     f"{path} is a directory, where the first rank writes this run's epoch file, so the ranks cannot "
                     "agree on the epoch. Remove it (growcache deletes no directory) and start again.")

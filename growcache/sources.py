@@ -419,19 +419,15 @@ class NpyWindowSource(StoreSource):
         """True if a window came back short because ``path`` was rewritten shorter since its header was
         read: the header is read again at the next draw of it. A file short under a header read just now
         is truncated: left out if a glob found it, else the error stands."""
-        if not isinstance(exc, _ShortWindow):
+        if not isinstance(exc, _ShortWindow) or (not cached and path in (self._named or ())):
             return False
+        self._unclaim_bytes(claimed)
         if cached:
             with self._lock:
-                self._headers.pop(path, None)
+                self._forget(path)
             logger.warning("%s changed since its .npy header was read: reading the header again", self._url(path))
-        elif path in (self._named or ()):
-            return False
         else:
-            self._unclaim_bytes(claimed)
             self._leave_out(path, "is shorter than its .npy header says (truncated)")
-            return True
-        self._unclaim_bytes(claimed)
         return True
 
     def _forget(self, path: str) -> None:

@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 
+from ._protowire import MAX_VARINT_BYTES, wide_varint_rows_ok
 from ._vectored_io import pread_into
 from .batching import (GONE, Allocate, BatchReader, ReaderShare, Skipped, malformed, other_schema, past_gone,
                        vanished)
 from .errors import CorruptShardError, SchemaError
-from ._protowire import MAX_VARINT_BYTES, wide_varint_rows_ok
 from .example import BatchDecoder, ExampleCodec
 from .records import FOOTER_BYTES, HEADER_BYTES, count_checked, crc32c, frame_header
 from .shard import ShardInfo
@@ -256,6 +256,12 @@ class _Shard:
     def close(self) -> None:
         os.close(self.fd)
 
+    def record(self, index: int) -> bytes:
+        """Record ``index`` read whole (the bytes between its frame's header and footer), for the
+        codec's general path; its frame starts at ``index * fixed.frame``."""
+        frame = self.fixed.frame
+        return os.pread(self.fd, frame, index * frame)[HEADER_BYTES:frame - FOOTER_BYTES]
+
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[memoryview]]:
         """Frames ``[start, start + count)`` into the buffer (valid until the next call).
 
@@ -382,6 +388,10 @@ class _Window:
         # where the fused loop writes (built when first needed, per window).
         self.row_addresses: np.ndarray | None = None
         self.row_strides: np.ndarray | None = None
+        # (feature, payload bytes) of each non-empty int64_list feature, whose 10-byte varints
+        # bad_varint checks after every piece placed by the block.
+        self.varints = [(f, decoder.specs[f].size * MAX_VARINT_BYTES) for f in decoder.varint_features
+                        if decoder.specs[f].size]
 
     def open(self) -> None:
         """Start a window if none is open (once a record is known to land in it)."""
@@ -478,17 +488,14 @@ class _Window:
         A CRC cannot tell a record that a writer framed with broken varints, and :meth:`close`
         decodes a whole window at once, too late to name the record or skip its shard.
         """
-        if not self.decoder.varint_features or not count:
+        if not self.varints or not count:
             return None
         positions = (np.arange(first, first + count) if self.targets is None
                      else self.targets[first:first + count])
         numbers, at = np.divmod(positions, self.batch_size)
         ok = np.ones(count, bool)
-        for feature in self.decoder.varint_features:
-            wide = self.decoder.specs[feature].size * MAX_VARINT_BYTES
+        for feature, wide in self.varints:
             span = self.spans[feature] if self.targets is not None else None
-            if not wide:
-                continue
             if span is not None:  # one gather for the whole piece
                 view, position = span
                 ok &= wide_varint_rows_ok(view[position[numbers], at, :wide])
@@ -516,15 +523,11 @@ class _Window:
         # Records of another layout (same length, other order of features) landed as if
         # they had ours; read them whole and put them through the codec's general path.
         for index in np.flatnonzero(~layout_ok[:placed]).tolist():
-            frame = shard.fixed.frame
-            record = os.pread(shard.fd, frame, (start + index) * frame)[HEADER_BYTES:frame - FOOTER_BYTES]
             self.placed = first + index
-            self.put(record, shard.path, (start + index) * frame)
+            self.put(shard.record(start + index), shard.path, (start + index) * shard.fixed.frame)
         self.placed = first + placed
         if bad is not None:
-            frame = shard.fixed.frame
-            self.refuse(os.pread(shard.fd, frame, (start + bad) * frame)[HEADER_BYTES:frame - FOOTER_BYTES],
-                        shard.path, (start + bad) * frame)
+            self.refuse(shard.record(start + bad), shard.path, (start + bad) * shard.fixed.frame)
 
     def put_frames(self, frames: np.ndarray, payloads: list[tuple[int, int]], layout_ok: np.ndarray,
                    record_length: int, shard: _Shard, shard_record: int) -> None:
@@ -689,14 +692,11 @@ class VectorReader(BatchReader):
             bad = window.bad_varint(window.placed, placed)
             if bad is not None:
                 window.placed += bad
-                at = (start + good + bad) * fixed.frame
-                window.refuse(os.pread(shard.fd, fixed.frame, at)[HEADER_BYTES:fixed.frame - FOOTER_BYTES],
-                              shard.path, at)
+                window.refuse(shard.record(start + good + bad), shard.path, (start + good + bad) * fixed.frame)
             good += placed
             window.placed += placed
             if stop == _OTHER_LAYOUT:  # same length, another order of features: the codec's general path
-                frame = os.pread(shard.fd, fixed.frame, (start + good) * fixed.frame)
-                window.put(frame[HEADER_BYTES:fixed.frame - FOOTER_BYTES], shard.path, (start + good) * fixed.frame)
+                window.put(shard.record(start + good), shard.path, (start + good) * fixed.frame)
                 good += 1
             elif stop == _SHRANK:  # the loop does not say where in the frame: the file's end does
                 at = (start + good) * fixed.frame

@@ -174,8 +174,9 @@ def _private_shm_prefix(size: str) -> tuple[list[str], str]:
     return [], "; ".join(reasons)
 
 
-def test_a_spawn_loader_in_a_real_64mib_shm_never_dies_of_sigbus(tmp_path):
-    pytest.importorskip("torch")
+def _run_in_a_64mib_shm(tmp_path, script: str, cache: Cache) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``script`` on ``cache`` in a private mount namespace whose /dev/shm is a 64 MiB tmpfs
+    (a container's default); skipped where none can be mounted, a failure under CI=true."""
     prefix, how = _private_shm_prefix("64m")
     if not prefix:
         if _fullfs.in_ci():
@@ -183,15 +184,20 @@ def test_a_spawn_loader_in_a_real_64mib_shm_never_dies_of_sigbus(tmp_path):
                         "the tests as root, give the CI user passwordless sudo, or allow unprivileged user "
                         "namespaces.", pytrace=False)
         pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace here ({how})")
+    path = tmp_path / "run.py"
+    path.write_text(script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([*prefix, sys.executable, str(path), cache.path], capture_output=True, text=True,
+                          env=env, timeout=240), how
+
+
+def test_a_spawn_loader_in_a_real_64mib_shm_never_dies_of_sigbus(tmp_path):
+    pytest.importorskip("torch")
     cache = Cache(tmp_path / "c", schema=Schema({"id": ("int64", ()), "x": ("uint8", (256 << 10,))}))
     with cache.writer() as writer:
         for i in range(96):
             writer.write({"id": np.int64(i), "x": np.full(256 << 10, i, np.uint8)})
-    script = tmp_path / "run.py"
-    script.write_text(_SMALL_SHM_RUN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([*prefix, sys.executable, str(script), cache.path], capture_output=True, text=True,
-                         env=env, timeout=240)
+    run, how = _run_in_a_64mib_shm(tmp_path, _SMALL_SHM_RUN, cache)
     assert run.returncode == 0, f"exit {run.returncode} (-7 or 135 is SIGBUS) under {how}:\n{run.stderr[-3000:]}"
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert "/dev/shm (size 64.0 MiB" in out["error"] and "--shm-size" in out["error"], out["error"]
@@ -237,22 +243,12 @@ def test_batches_without_a_slot_reach_the_trainer_when_shm_is_full(tmp_path):
     # result-queue feeder thread: in a full /dev/shm that thread printed ENOSPC and dropped the
     # batch, and the trainer waited for it for good. Both cases below hung.
     pytest.importorskip("torch")
-    prefix, how = _private_shm_prefix("64m")
-    if not prefix:
-        if _fullfs.in_ci():
-            pytest.fail(f"CI=true requires a private 64 MiB /dev/shm, and none could be mounted here ({how})",
-                        pytrace=False)
-        pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace here ({how})")
     cache = Cache(tmp_path / "c", schema=Schema({"id": ("int64", ()), "x": ("uint8", (256 << 10,))}))
     for shard in range(6):
         with cache.writer() as writer:
             for i in range(shard * 64, (shard + 1) * 64):
                 writer.write({"id": np.int64(i), "x": np.full(256 << 10, i % 256, np.uint8)})
-    script = tmp_path / "run.py"
-    script.write_text(_NO_SLOT_RUN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([*prefix, sys.executable, str(script), cache.path], capture_output=True, text=True,
-                         env=env, timeout=240)
+    run, how = _run_in_a_64mib_shm(tmp_path, _NO_SLOT_RUN, cache)
     assert run.returncode == 0, f"exit {run.returncode} under {how}:\n{run.stderr[-3000:]}"
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out == {"spawn": list(range(384)), "fork, kept": list(range(384))}

@@ -319,12 +319,7 @@ def test_pin_memory_gives_pinned_zero_copy_views_safe_for_your_own_copies(big_ca
                 torch.cuda._sleep(5_000_000)  # the copies below wait behind this on the current stream
                 on_device.append((batch["id"].to(cuda, non_blocking=True), batch["x"].to(cuda, non_blocking=True)))
                 del batch  # let go before the copies ran: the slot must wait for them
-            ids = []
-            for id_tensor, x in on_device:
-                batch_ids = id_tensor.tolist()
-                assert torch.equal(x, torch.from_numpy(_expected(batch_ids, big=True)).to(cuda)), batch_ids
-                ids += batch_ids
-            assert sorted(ids) == big_cache.written
+            _check_copies(on_device, cuda, big_cache.written)
 
 
 def test_pin_memory_copies_to_a_device_that_is_not_current_stay_intact(big_cache, cuda):
@@ -340,12 +335,17 @@ def test_pin_memory_copies_to_a_device_that_is_not_current_stay_intact(big_cache
                 torch.cuda._sleep(5_000_000)  # on `other`'s current stream, not the current device's
             on_device.append((batch["id"].to(other, non_blocking=True), batch["x"].to(other, non_blocking=True)))
             del batch
-        ids = []
-        for id_tensor, x in on_device:
-            batch_ids = id_tensor.tolist()
-            assert torch.equal(x, torch.from_numpy(_expected(batch_ids, big=True)).to(other)), batch_ids
-            ids += batch_ids
-        assert sorted(ids) == big_cache.written
+        _check_copies(on_device, other, big_cache.written)
+
+
+def _check_copies(on_device, device, written) -> None:
+    """Every batch copied to ``device`` (``(ids, x)`` pairs) holds its records' values, each record once."""
+    ids = []
+    for id_tensor, x in on_device:
+        batch_ids = id_tensor.tolist()
+        assert torch.equal(x, torch.from_numpy(_expected(batch_ids, big=True)).to(device)), batch_ids
+        ids += batch_ids
+    assert sorted(ids) == written
 
 
 def test_pin_memory_copy_true_copies_into_pinned_memory(big_cache, cuda):
