@@ -71,6 +71,9 @@ class Flow:
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._holders: set[int] = set()  # numbers of the tickets that hold bytes
+        # New claims that did not fit, oldest first: a claim waits its turn behind them, or a large
+        # sample would wait for good while smaller ones, arriving later, took every byte set free.
+        self._turns: collections.deque[object] = collections.deque()
         self._warned_throttle = False
 
     # -- in-flight limit -----------------------------------------------------------------------
@@ -119,13 +122,22 @@ class Flow:
         return float(p50), float(p95), float(p99)
 
     # -- byte budget ---------------------------------------------------------------------------
-    def _fits(self, nbytes: int, holder: int | None = None) -> bool:
+    def _holds(self, holder: int | None) -> bool:
+        return holder is not None and holder in self._holders
+
+    def _fits(self, nbytes: int, holder: int | None = None, turn: object = None) -> bool:
         # One sample larger than the whole budget is still fetched: alone. A sample that holds
         # bytes and needs more (a source that reads several windows per sample) would wait on
         # samples that wait on it: the oldest such sample goes over the budget, so one always
-        # finishes, and the budget is exceeded by at most that one sample's later reads.
-        return (self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
-                or (holder in self._holders and holder == min(self._holders)))
+        # finishes, and the budget is exceeded by at most that one sample's later reads. It is
+        # finishing work under way, so it does not queue behind new claims; a new claim does,
+        # in its turn (``turn``: its place in the queue, ``None`` before it has one).
+        if self._holds(holder):
+            if holder == min(self._holders):
+                return True
+        elif nbytes and self._turns and self._turns[0] is not turn:
+            return False
+        return self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
 
     def _take(self, nbytes: int, holder: int | None = None) -> None:
         self.bytes += nbytes
@@ -136,36 +148,77 @@ class Flow:
         if holder is not None and nbytes:
             self._holders.add(holder)
 
+    def _queue(self, nbytes: int, holder: int | None, turn: object) -> object:
+        """``turn``, or a new place at the end of the queue for a new claim that did not fit."""
+        if turn is None and nbytes and not self._holds(holder):
+            turn = object()
+            self._turns.append(turn)
+        return turn
+
+    def _leave(self, turn: object) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
+        """Take ``turn`` out of the queue; assumes you hold ``self._cond``. The claim after it may
+        fit now: the waiters to wake are returned, to be woken without the lock (:func:`_wake_all`)."""
+        if turn is None:
+            return []
+        try:
+            self._turns.remove(turn)
+        except ValueError:
+            return []
+        waiters, self._waiters = self._waiters, []
+        self._cond.notify_all()
+        return waiters
+
     def acquire(self, nbytes: int, holder: int | None = None) -> None:
         """Wait until ``nbytes`` fit in the budget, then hold them. ``holder``: the number of the
-        :class:`Ticket` that claims them, when it may already hold bytes."""
+        :class:`Ticket` that claims them, when it may already hold bytes. New claims are served
+        in the order they came."""
+        turn = woken = None
         with self._cond:
-            while not self._fits(nbytes, holder):
-                self._cond.wait(0.5)
-            self._take(nbytes, holder)
+            try:
+                while not self._fits(nbytes, holder, turn):
+                    turn = self._queue(nbytes, holder, turn)
+                    self._cond.wait(0.5)
+                self._take(nbytes, holder)
+            finally:
+                woken = self._leave(turn)
+        _wake_all(woken)
 
     async def acquire_async(self, nbytes: int, holder: int | None = None) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        turn = None
+        try:
+            while True:
+                with self._cond:
+                    if self._fits(nbytes, holder, turn):
+                        self._take(nbytes, holder)
+                        return
+                    turn = self._queue(nbytes, holder, turn)
+                    waiter = loop.create_future()
+                    self._waiters.append((loop, waiter))
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    # A waiter not woken (timed out or cancelled) leaves the list now, not at the next
+                    # release: while publishing blocks for minutes, they would pile up every 0.5 s.
+                    if not waiter.done():
+                        with self._cond:
+                            try:
+                                self._waiters.remove((loop, waiter))
+                            except ValueError:
+                                pass
+        finally:
+            # Served, cancelled (stop()) or failed: the claims behind this one must not wait on it.
             with self._cond:
-                if self._fits(nbytes, holder):
-                    self._take(nbytes, holder)
-                    return
-                waiter = loop.create_future()
-                self._waiters.append((loop, waiter))
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter), 0.5)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                # A waiter not woken (timed out or cancelled) leaves the list now, not at the next
-                # release: while publishing blocks for minutes, they would pile up every 0.5 s.
-                if not waiter.done():
-                    with self._cond:
-                        try:
-                            self._waiters.remove((loop, waiter))
-                        except ValueError:
-                            pass
+                woken = self._leave(turn)
+            _wake_all(woken)
+
+    def take(self, nbytes: int, holder: int | None = None) -> None:
+        """Hold ``nbytes`` more at once, over the budget if need be: bytes a sample already has
+        in memory (an object larger than the size it claimed)."""
+        with self._cond:
+            self._take(nbytes, holder)
 
     def release(self, nbytes: int, holder: int | None = None) -> None:
         if not nbytes:
@@ -175,8 +228,12 @@ class Flow:
             self._holders.discard(holder)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
-        for loop, waiter in waiters:
-            loop.call_soon_threadsafe(_wake, waiter)
+        _wake_all(waiters)
+
+
+def _wake_all(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None) -> None:
+    for loop, waiter in waiters or ():
+        loop.call_soon_threadsafe(_wake, waiter)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -212,6 +269,15 @@ class Ticket:
         nbytes = min(nbytes, self.nbytes)
         self.nbytes -= nbytes
         self.flow.release(nbytes, None if self.nbytes else self.number)
+
+    def settle(self, claimed: int, nbytes: int) -> None:
+        """A read that claimed ``claimed`` bytes gave ``nbytes``: hold what it gave (the claim of an
+        object of unknown size was the whole budget; a listed size can be out of date)."""
+        if nbytes < claimed:
+            self.give_back(claimed - nbytes)
+        elif nbytes > claimed:
+            self.flow.take(nbytes - claimed, self.number)
+            self.nbytes += nbytes - claimed
 
 
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("growcache_ticket", default=None)

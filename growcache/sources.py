@@ -155,29 +155,29 @@ class ObjectSource(StoreSource):
 
     def sample(self, rng: np.random.Generator) -> Sample:
         while True:
-            path, size = self._choose(rng), 0
+            path, claimed = self._choose(rng), 0
             try:
-                size = self._size(path)
-                self._claim_bytes(size)
+                claimed = self._claim_object(self._size(path))
                 data = self._fetch(path)
             except SourceError as exc:
-                if self._passes_over(path, exc, size):
+                if self._passes_over(path, exc, claimed):
                     continue
                 raise
+            self._settle(path, claimed, data)
             return self._decode(path, data)
 
     async def sample_async(self, rng: np.random.Generator) -> Sample:
         """:meth:`sample` through the async filesystem (a sampler with ``concurrency > 1`` calls it)."""
         while True:
-            path, size = self._choose(rng), 0
+            path, claimed = self._choose(rng), 0
             try:
-                size = await self._asize(path)
-                await self._aclaim_bytes(size)
+                claimed = await self._aclaim_object(await self._asize(path))
                 data = await self._afetch(path)
             except SourceError as exc:
-                if self._passes_over(path, exc, size):
+                if self._passes_over(path, exc, claimed):
                     continue
                 raise
+            self._settle(path, claimed, data)
             return self._decode(path, data)
 
     def _decode(self, path: str, data: bytes) -> Sample:

@@ -103,7 +103,11 @@ class StoreSource(Source):
         self._fs_pid: int | None = None
         self._protocol: str = ""
         self._paths: list[str] | None = None
-        self._sizes: dict[str, int] = {}  # object sizes the listing gave
+        self._sizes: dict[str, int] = {}  # object sizes the listing gave or the store told (-1: it did not)
+        # The store told no size for an object: the others are not asked either (fsspec's http asks
+        # by a GET of the whole object once HEAD tells nothing), and are fetched as of unknown size.
+        self._unsized = False
+        self._sizing: dict[str, asyncio.Future[int]] = {}  # sizes asked now: one request per object
         self._named: frozenset[str] | None = None  # paths of the URLs without a glob (made with the fs)
         self._lock = threading.RLock()
         self._pool_connections: int | None = None  # requests a sampler keeps in flight, set by it
@@ -119,7 +123,7 @@ class StoreSource(Source):
     # -- pickling: the filesystem (sockets, event loop threads) never travels ----------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0, _lock=None,
+        state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0, _lock=None, _sizing={},
                      _outage_since=None, store_answered=False)
         return state
 
@@ -380,25 +384,73 @@ class StoreSource(Source):
         if ticket is not None and nbytes:
             ticket.give_back(nbytes)
 
-    def _size(self, path: str) -> int:
+    def _size(self, path: str) -> int | None:
         """The size of object ``path``: from the listing, else asked once (only by a concurrent sampler,
-        whose byte budget needs it before the fetch)."""
+        whose byte budget needs it before the fetch); ``None`` where the store does not tell it."""
         size = self._sizes.get(path)
         ticket = current_ticket()
-        if size is None and ticket is not None and ticket.flow.concurrency > 1:
+        if size is None and not self._unsized and ticket is not None and ticket.flow.concurrency > 1:
             fs = self.fs
-            size = int(self._io("sizing", self._url(path), lambda: fs.size(path)) or 0)
-            self._sizes[path] = size
-        return size or 0
+            size = self._told(path, self._io("sizing", self._url(path), lambda: fs.size(path)))
+        return None if size is None or size < 0 else size
 
-    async def _asize(self, path: str) -> int:
+    async def _asize(self, path: str) -> int | None:
         size = self._sizes.get(path)
-        if size is None:
-            fs = self.fs
-            info = await self._aio("sizing", self._url(path), lambda: fs._info(path))
-            size = int(info.get("size") or 0)
-            self._sizes[path] = size
-        return size
+        if size is None and not self._unsized:
+            asking = self._sizing.get(path)  # samples of one object drawn together ask once
+            if asking is None:
+                asking = self._sizing[path] = asyncio.ensure_future(self._ask_size(path))
+                asking.add_done_callback(lambda done: self._asked(path, done))
+            size = await asyncio.shield(asking)
+        return None if size is None or size < 0 else size
+
+    def _asked(self, path: str, done: asyncio.Future[int]) -> None:
+        self._sizing.pop(path, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: its samples were cancelled (stop()) or raise it themselves
+
+    async def _ask_size(self, path: str) -> int:
+        fs = self.fs
+        info = await self._aio("sizing", self._url(path), lambda: fs._info(path))
+        return self._told(path, info.get("size"))
+
+    def _told(self, path: str, size: Any) -> int:
+        """Remember the size the store gave for ``path``: -1 where it gave none (an HTTP server
+        answering without Content-Length)."""
+        told = int(size) if isinstance(size, int) and size >= 0 else -1
+        if told < 0 and not self._unsized:
+            self._unsized = True
+            logger.warning("%s does not tell its size: objects whose size the listing did not give are fetched "
+                           "alone the first time, so that the samples in flight stay within max_bytes_in_flight "
+                           "(then their size is known)", self._url(path))
+        self._sizes[path] = told
+        return told
+
+    def _claim_object(self, size: int | None) -> int:
+        """Claim a whole object's bytes in the byte budget (all of it where its size is unknown: the
+        object is then fetched alone). Returns the bytes claimed, for :meth:`_settle`."""
+        ticket = current_ticket()
+        if ticket is None:
+            return 0
+        nbytes = ticket.flow.max_bytes if size is None else size
+        ticket.acquire(nbytes)
+        return nbytes
+
+    async def _aclaim_object(self, size: int | None) -> int:
+        ticket = current_ticket()
+        if ticket is None:
+            return 0
+        nbytes = ticket.flow.max_bytes if size is None else size
+        await ticket.acquire_async(nbytes)
+        return nbytes
+
+    def _settle(self, path: str, claimed: int, data: bytes) -> None:
+        """A whole object came in: hold its real size in the budget, and know it from now on."""
+        ticket = current_ticket()
+        if ticket is not None:
+            ticket.settle(claimed, len(data))
+        if self._sizes.get(path, -1) < 0:
+            self._sizes[path] = len(data)
 
     def paths(self) -> list[str]:
         """The store paths this source samples from, sorted (listed once per process).

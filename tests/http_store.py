@@ -57,6 +57,8 @@ class FaultyHTTPStore:
         hang_next: how many of the next GETs get no answer at all (until the server closes).
         down: refuse every connection (the listening socket is closed) while true; set with
             :meth:`go_down` and :meth:`come_back`.
+        hide_sizes: tell no object's size: HEAD is refused (405) and a GET's body comes chunked,
+            without Content-Length, as some dynamic servers send it.
     """
 
     def __init__(self, root: str) -> None:
@@ -68,6 +70,8 @@ class FaultyHTTPStore:
         self.fail_next: list[int] = []
         self.fail_paths: dict[str, int] = {}
         self.hang_next = 0
+        self.hide_sizes = False
+        self.served: list[tuple[float, float, int]] = []  # (began, ended, bytes) of each body sent whole
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -132,6 +136,34 @@ class FaultyHTTPStore:
             f.write(data)
         return f"{self.url}/{name}"
 
+    def peak_bytes_served_at_once(self) -> int:
+        """The most bytes of bodies sent whole (a request dropped before its end is not counted)
+        that were being sent at one time."""
+        with self._lock:
+            events = sorted([(b, n) for b, _, n in self.served] + [(e, -n) for _, e, n in self.served],
+                            key=lambda event: (event[0], event[1]))  # an end before a start at one time
+        peak = now = 0
+        for _, change in events:
+            now += change
+            peak = max(peak, now)
+        return peak
+
+    async def _chunked(self, request: Any, path: str, began: float) -> Any:
+        from aiohttp import web
+
+        with open(path, "rb") as f:
+            data = f.read()
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for at in range(0, len(data), 65536):
+            await response.write(data[at:at + 65536])
+        await response.write_eof()
+        if request.headers.get("Accept-Encoding") != "identity":  # not a size probe (fsspec drops its body)
+            with self._lock:
+                self.served.append((began, time.monotonic(), len(data)))
+        return response
+
     # -- serving -------------------------------------------------------------------------------
     def _count(self, status: int) -> None:
         with self._lock:
@@ -141,6 +173,9 @@ class FaultyHTTPStore:
         from aiohttp import web
 
         path = os.path.join(self.root, request.match_info["name"])
+        if request.method == "HEAD" and self.hide_sizes:
+            self._count(405)
+            return web.Response(status=405)
         if request.method == "HEAD" or not os.path.isfile(path):
             self._count(200 if os.path.isfile(path) else 404)
             return web.FileResponse(path) if os.path.isfile(path) else web.Response(status=404)
@@ -155,6 +190,7 @@ class FaultyHTTPStore:
             hang = self.hang_next > 0 and fail is None
             if hang:
                 self.hang_next -= 1
+        began = time.monotonic()
         try:
             if hang:
                 hung = self._loop.create_future()
@@ -170,6 +206,8 @@ class FaultyHTTPStore:
                 self._count(fail)
                 return web.Response(status=fail, text=f"failed on purpose with {fail}")
             self._count(206 if "Range" in request.headers else 200)
+            if self.hide_sizes:
+                return await self._chunked(request, path, began)
             return web.FileResponse(path)
         finally:
             with self._lock:

@@ -353,6 +353,27 @@ def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_pa
     assert http.peak_bytes_in_flight <= bound, f"the store saw {http.peak_bytes_in_flight} bytes in flight"
 
 
+def test_objects_whose_size_the_store_does_not_tell_stay_under_the_bound(tmp_path, http, caplog):
+    # HEAD refused, bodies chunked: fsspec gives no size. Claimed as 0 bytes, such objects were all
+    # fetched at once, whatever max_bytes_in_flight: each is now fetched alone until its size is known.
+    rng = np.random.default_rng(1)
+    urls = [http.put(f"u{i}.bin", np.int64(i).tobytes() + rng.bytes(size - 8))
+            for i, size in enumerate([150_000, 250_000, 90_000, 200_000, 120_000, 60_000])]
+    http.hide_sizes = True
+    http.latency = 0.05
+    bound = 300_000
+    source = ObjectSource(urls, decoder=first_word, retry=QUICK)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=32, count=120,
+                               max_bytes_in_flight=bound)
+    assert http.statuses.get(405), "the store was asked for sizes, and told none"
+    assert 0 < stats.peak_bytes_in_flight <= bound
+    assert http.peak_in_flight > 2, "requests were in flight together once the sizes were known"
+    peak = http.peak_bytes_served_at_once()
+    assert 0 < peak <= bound, f"the store sent {peak} bytes at once"
+    http.latency = 0
+    assert _records(cache) == _expected(source, 11, 120)
+
+
 class PairOfWindows:
     """A thread-safe user source drawing two windows of a store source per sample (module level,
     so that it pickles): each sample holds its first window's bytes while it claims the second."""
@@ -447,6 +468,53 @@ def test_samples_that_claim_no_bytes_leave_no_holder_behind():
 
     threading.Thread(target=second_read, daemon=True).start()
     assert got.wait(30), "the oldest sample holding bytes never got its second read"
+
+
+@pytest.mark.parametrize("mode", ["threads", "event loop"])
+def test_a_large_claim_is_served_before_smaller_claims_that_came_after_it(mode):
+    # A sample larger than the bytes left free waited for good while smaller samples, arriving
+    # later, fitted into every gap a written sample left: the large one must get its turn.
+    import asyncio
+
+    from growcache._concurrent import Flow, Ticket
+
+    flow = Flow(16, 100)
+    held = [Ticket(flow) for _ in range(4)]
+    for ticket in held:
+        ticket.acquire(20)  # 80 of 100 held: a claim of 60 waits, one of 20 would fit
+    order: list[str] = []
+
+    def claim(name, nbytes):
+        ticket = Ticket(flow)
+        if mode == "threads":
+            ticket.acquire(nbytes)
+        else:
+            asyncio.run(ticket.acquire_async(nbytes))
+        order.append(name)
+        return ticket
+
+    big = threading.Thread(target=lambda: claim("large", 60), daemon=True)
+    big.start()
+    wait_until_queued = time.monotonic() + 10
+    while not flow._turns and time.monotonic() < wait_until_queued:
+        time.sleep(0.01)
+    assert flow._turns, "the large claim waits its turn"
+    small = [threading.Thread(target=lambda i=i: claim(f"small{i}", 20), daemon=True) for i in range(3)]
+    for thread in small:
+        thread.start()
+    time.sleep(0.3)
+    assert order == [], f"{order} got bytes before the large claim that came first"
+    for ticket in held[:3]:
+        ticket.release()  # 20 held: the large claim fits (80), then one small one (100)
+    big.join(10)
+    for thread in small:
+        thread.join(1)
+    assert "large" in order and len(order) == 2 and flow.bytes == 100, (order, flow.bytes)
+    held[3].release()  # room for one more small claim; the last one waits in the queue
+    wait_until_served = time.monotonic() + 10
+    while len(order) < 3 and time.monotonic() < wait_until_served:
+        time.sleep(0.01)
+    assert len(order) == 3 and len(flow._turns) == 1, (order, list(flow._turns))
 
 
 # -- a live bucket: objects deleted or rewritten while the pool samples ---------------------------
