@@ -354,8 +354,17 @@ class ShardWriter:
                 self.abort()
                 raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
                 raise
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
+        try:
+            # NFS reports a write that failed on the server at close; the descriptor is gone
+            # either way, so it is never closed twice (its number may be another file's by then).
+            os.close(fd)
+        except OSError as exc:
+            self.abort()
+            raise_if_disk_full(exc, self._cache_path, f"writing {self.path}; the partial shard was removed")
+            raise OSError(exc.errno, f"closing shard {self.path} failed ({exc.strerror}): the shard was not "
+                          "published and its temporary file was removed. Check the cache's filesystem "
+                          "(a network filesystem reports failed writes here)") from exc
         try:
             return self._publish(
                 self.path, self.records, self.nbytes, timeout=self.publish_timeout, should_stop=self.should_stop

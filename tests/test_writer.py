@@ -11,6 +11,7 @@ import growcache.writer as writer_module
 from growcache import Cache, Schema
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
+from growcache.shard import TMP_PREFIX
 
 
 def _read_back(cache: Cache) -> list[dict[str, np.ndarray]]:
@@ -108,3 +109,31 @@ def test_space_reserved_for_a_shard_is_given_back_when_it_is_published(tmp_path,
     assert os.stat(shard.path).st_blocks * 512 < shard.nbytes + (1 << 20), "the reserved blocks stayed allocated"
     assert [int(s["x"][0]) for s in _read_back(cache)] == [0, 1, 2]
     assert cache.verify().corrupt == []
+
+
+def test_a_close_that_reports_a_failed_write_publishes_nothing_and_closes_no_other_file(tmp_path, monkeypatch):
+    # NFS reports a write the server failed at close(2), after releasing the descriptor. The raw
+    # OSError escaped, the temporary stayed, and the writer kept the released number: its abort
+    # then closed whatever file had been given that number since.
+    cache = Cache(tmp_path / "c", capacity=1 << 30, schema=Schema({"x": ("uint8", (100,))}))
+    writer = cache.writer()
+    writer.write({"x": np.zeros(100, np.uint8)})
+    real_close = os.close
+
+    def close_reporting_eio(fd):
+        real_close(fd)
+        monkeypatch.setattr(writer_module.os, "close", real_close)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(writer_module.os, "close", close_reporting_eio)
+    with pytest.raises(OSError, match="closing shard .* failed .*not published"):
+        writer.close()
+    other = os.open(tmp_path / "other", os.O_CREAT | os.O_WRONLY)  # likely the released number
+    try:
+        writer.abort()
+        writer.close()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
+    assert cache.list_shards() == []
+    assert [n for n in os.listdir(cache.shards_dir) if n.startswith(TMP_PREFIX)] == [], "the temporary stayed"
