@@ -92,6 +92,10 @@ def pytest_make_collect_report(collector):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    # Full-disk tests record which filesystem they got; the report carries it to the summary,
+    # which an xdist controller prints for its workers.
+    while _fullfs.USED:
+        report.user_properties.append(("fullfs", _fullfs.USED.pop(0)))
     if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
         install = _required_install(report.longrepr[2])
         if install is not None:
@@ -102,9 +106,11 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_terminal_summary(terminalreporter):
     # Which real filesystem each full-disk test filled, or that it had none.
-    if _fullfs.USED:
+    used = [value for reports in terminalreporter.stats.values() for report in reports
+            for key, value in getattr(report, "user_properties", ()) if key == "fullfs"]
+    if used:
         terminalreporter.section("size-limited filesystems for full-disk tests")
-        for test, how in _fullfs.USED:
+        for test, how in used:
             terminalreporter.line(f"{test}: {how}")
 
 ID_SCHEMA = Schema({"id": ("int64", ()), "x": ("float32", (4, 8))})
