@@ -61,7 +61,7 @@ from .errors import (
     SchemaError,
     SchemaMismatchError,
 )
-from .planning import (EpochPlan, ReadPoints, consumed_when, plan_epoch, read_points, reader_seed,
+from .planning import (EpochPlan, ReadPoints, plan_epoch, read_points, reader_seed,
                        round_robin_progress)
 from .readers import ReaderSpec
 from .records import check_named_size, check_records
@@ -821,10 +821,12 @@ class Epoch:
         self._points: ReadPoints | None = None
         self._next_trim = 0  # consumed count at which the lease may next hold fewer shards
         self._trim_after = 0.0  # time.monotonic() before which no trim runs (see consume)
-        # Taken out of order (DataLoader(in_order=False)): the batches each reader had delivered,
-        # and the readers of the last few taken, for what a resume may skip (see resumable).
+        # Counted per reader (taken out of order, DataLoader(in_order=False), or resumed from a
+        # state saved so): the batches each reader of the plan had delivered, and the readers of
+        # the last few taken, for what a resume skips (see delivered). Empty: a reader unknown.
         self._delivered: list[int] | None = None
-        self._known = 0  # batches consumed when the out-of-order count began
+        self._known = 0  # batches consumed when the count per reader began
+        self._known_delivered: list[int] = []  # each reader's batches then
         self._order_noted = False  # a state saved out of order was warned about (once per epoch)
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT)
 
@@ -886,32 +888,24 @@ class Epoch:
         seqs = self.agreed.seqs
         return frozenset(seqs[i] for i in self._left_indices(self.consumed if consumed is None else consumed))
 
-    def _left_indices(self, consumed: int) -> set[int]:
-        return self.read_points().left(consumed)
-
-    def _next_change(self) -> int:
-        return self.read_points().next_change(self.consumed)
-
     def consume(self, batches: int = 1, *, round_robin: bool = True, reader: int | None = None) -> None:
         """Count ``batches`` handed to the training loop in :attr:`consumed`.
 
-        Taken round-robin from the readers (a ``DataLoader``'s order), once they pass the last read
-        of shards, the epoch's lease lets go of them (:meth:`hold_only`), so that a full cache
-        evicts them rather than stall its samplers. Readers prefetch ahead of the loop, never
-        behind, so the lease always covers what they still read. A trim takes a few milliseconds
-        (a lease file and a listing of the cache); they are spaced to cost at most about 2% of
-        the loop's time.
+        Once readers pass the last read of shards, the epoch's lease lets go of them
+        (:meth:`hold_only`), so that a full cache evicts them rather than stall its samplers.
+        Readers prefetch ahead of the loop, never behind, so the lease always covers what they
+        still read. A trim takes a few milliseconds (a lease file and a listing of the cache);
+        they are spaced to cost at most about 2% of the loop's time.
 
         Args:
             round_robin: ``False``: taken in another order (``DataLoader(in_order=False)``): the
-                lease holds on, and a state saved in the epoch resumes at :meth:`resumable`.
-                Default: ``True``.
-            reader: the reader that delivered the batches, where ``round_robin`` is ``False``.
+                batches are counted per reader, and a state saved in the epoch names each
+                reader's (:meth:`delivered`). Default: ``True``.
+            reader: the reader process that delivered the batches.
         """
-        if not round_robin:
-            if self._delivered is None:  # from the epoch's (or the resume's) round-robin start
-                self._delivered = round_robin_progress(self.read_points().counts, self.consumed)[0]
-                self._known = self.consumed
+        if not round_robin and self._delivered is None:  # from the epoch's (or the resume's) round-robin start
+            self._count_per_reader(round_robin_progress(self.read_points().counts, self.consumed)[0])
+        if self._delivered:
             reader = self.planned_reader(reader)
             if reader is not None and 0 <= reader < len(self._delivered):
                 self._delivered[reader] += batches
@@ -919,7 +913,7 @@ class Epoch:
             else:  # a reader unknown: a resume re-reads from the last point known
                 self._delivered, self._recent = [], collections.deque(maxlen=_RECENT)
         self.consumed += batches
-        if round_robin and self.consumed >= self._next_trim:
+        if self.consumed >= self._next_trim and (round_robin if self._delivered is None else bool(self._delivered)):
             now = time.monotonic()
             if now < self._trim_after:
                 self._next_trim = self.consumed + 1
@@ -928,32 +922,61 @@ class Epoch:
             self._next_trim = self._next_change()
             self._trim_after = now + _TRIM_SPACING * (time.monotonic() - now)
 
+    def _count_per_reader(self, delivered: list[int]) -> None:
+        """Count batches per reader from here on, each reader having delivered ``delivered``."""
+        self._delivered, self._known, self._known_delivered = list(delivered), self.consumed, list(delivered)
+
     def planned_reader(self, reader: int | None) -> int | None:
         """The reader of the epoch's plan (of :meth:`read_points`) that reader process ``reader``
         reads (``None``: unknown); a resumed epoch rotates them."""
         return reader
 
-    def resumable(self, consumed: int | None = None) -> int:
-        """The most batches a resume from this epoch may take as delivered, after ``consumed``
-        batches taken (default and most: :attr:`consumed`).
+    def delivered(self, consumed: int | None = None) -> list[int] | None:
+        """The batches each reader of the plan had delivered after ``consumed`` batches taken
+        (default and most: :attr:`consumed`), where they are counted per reader; ``None`` where
+        they were taken round-robin (:func:`~growcache.planning.round_robin_progress` of the
+        count tells them).
 
-        Taken round-robin, ``consumed`` itself. Taken out of order, the most batches taken
-        round-robin after which no reader had delivered more than it has: a resume re-reads the
-        batches taken past that point, and never skips one not taken. ``consumed`` below
-        :attr:`consumed` takes back the readers of the batches after it (a trainer that fetched
-        ahead of its steps), up to the last few.
+        ``consumed`` below :attr:`consumed` takes back the readers of the batches after it (a
+        trainer that fetched ahead of its steps), up to the last few; further back, or after a
+        batch of an unknown reader, it is where the count per reader began, which a resume
+        reads on from (the batches taken since are read again).
         """
-        taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
         if self._delivered is None:
-            return taken
-        delivered = list(self._delivered)
+            return None
+        taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
         back = self.consumed - taken
-        if not delivered or back > len(self._recent):
-            return min(taken, self._known)  # where the out-of-order count began
+        if taken < self._known:  # before the count began: no reader ahead of either count
+            in_turn = round_robin_progress(self.read_points().counts, taken)[0]
+            return [min(known, turn) for known, turn in zip(self._known_delivered, in_turn)]
+        if not self._delivered or back > len(self._recent):
+            return list(self._known_delivered)
+        delivered = list(self._delivered)
         for reader in list(self._recent)[len(self._recent) - back:]:
             delivered[reader] -= 1
-        counts = self.read_points().counts
-        return min([taken] + [consumed_when(counts, r, d + 1) - 1 for r, d in enumerate(delivered)])
+        return delivered
+
+    def resumable(self, consumed: int | None = None) -> int:
+        """The batches a resume from this epoch takes as delivered, after ``consumed`` batches
+        taken (default and most: :attr:`consumed`): ``consumed`` itself, or where the count per
+        reader began (see :meth:`delivered`)."""
+        taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
+        delivered = self.delivered(taken)
+        return taken if delivered is None else sum(delivered)
+
+    def _left_indices(self, consumed: int) -> set[int]:
+        delivered = self.delivered(consumed)
+        if delivered is None:
+            return self.read_points().left(consumed)
+        return self.read_points().left_after(delivered)
+
+    def _next_change(self) -> int:
+        delivered = self.delivered()
+        if delivered is None:
+            return self.read_points().next_change(self.consumed)
+        if not self._delivered:  # a reader unknown: the lease holds what it holds to the end
+            return 2**62
+        return self.consumed + self.read_points().batches_to_change(delivered)
 
     @property
     def held(self) -> frozenset[int]:

@@ -341,9 +341,20 @@ class ReadPoints:
     def left(self, consumed: int) -> set[int]:
         """Shards the rest of the epoch reads after ``consumed`` batches taken round-robin (a resume
         from there included)."""
-        done, _ = round_robin_progress(self.counts, consumed)
+        return self.left_after(round_robin_progress(self.counts, consumed)[0])
+
+    def left_after(self, delivered: Sequence[int]) -> set[int]:
+        """Shards the rest of the epoch reads once each reader delivered ``delivered[reader]``
+        batches (taken in any order; a resume from there included)."""
         return {shard for worker, points in enumerate(self.points)
-                for _, shard in points[self.passed(worker, done[worker]):]} | self.kept
+                for _, shard in points[self.passed(worker, delivered[worker]):]} | self.kept
+
+    def batches_to_change(self, delivered: Sequence[int]) -> int:
+        """The fewest batches more, taken in any order, after which :meth:`left_after` may hold
+        fewer shards than after ``delivered`` (at least 1)."""
+        gaps = [points[index][0] - delivered[worker] for worker, points in enumerate(self.points)
+                if (index := self.passed(worker, delivered[worker])) < len(points)]
+        return max(1, min(gaps, default=2**62))
 
     def next_change(self, consumed: int) -> int:
         """The fewest batches consumed, more than ``consumed``, after which :meth:`left` may hold

@@ -7,7 +7,9 @@ resume:
 * **The state** (:func:`loader_state`) is a small, versioned, JSON-serializable dict: the epoch
   and seed, the cache's id (``growcache.json``'s ``cache_id``), the epoch's snapshot and the
   shards skipped as corrupt, the plan's parameters, the batches the training loop consumed
-  (batches prefetched by readers do not count), and the epoch's pin.
+  (batches prefetched by readers do not count), and the epoch's pin; where the batches were
+  taken out of order (``DataLoader(in_order=False)``), also each reader's (``delivered``,
+  version 2), after which each reader resumes.
 * **The pin.** The first ``state_dict()`` of an epoch pins its snapshot (:func:`pin_epoch`): a
   lease file in ``leases/`` that no process keeps alive, with an absolute expiry
   (``resume_ttl``, default :data:`DEFAULT_RESUME_TTL`). Until then the epoch's own lease holds
@@ -73,8 +75,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The version of the state dict :func:`loader_state` writes.
-STATE_VERSION = 1
+#: The newest version of the state dict :func:`loader_state` writes: 2 where it names each
+#: reader's batches (``delivered``: taken out of order), else 1, which older growcache reads.
+STATE_VERSION = 2
 #: Seconds an epoch's pin keeps its snapshot after the epoch's start when nobody releases it
 #: (a killed run): 12 hours, long enough for a preempted job to be rescheduled overnight,
 #: short enough that an abandoned run's shards do not hold the disk for days.
@@ -87,6 +90,7 @@ ON_MISSING = ("raise", "skip")
 READERS = ("growcache", "tensorflow")
 _FORMAT = "growcache-loader"
 _KEYS = {"format", "version", "epoch", "seed", "cache_id", "plan", "snapshot", "progress", "pin"}
+_KEYS_SINCE = {"delivered": 2}  # optional fields, and the version that brought each
 _PLAN_KEYS = {"world_size": 1, "rank": 0, "group_size": 1, "group_rank": 0, "workers": 1, "batch_size": 1,
               "shuffle_buffer": 0}
 _PLAN_FLAGS = ("even_batches", "drop_last")
@@ -209,7 +213,8 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
         logger.warning("epoch %d was re-planned over another worker count: progress in it is not saved, so a resume "
                        "from this state reads again what was read since the previous resume", latest.number)
         return latest.loaded_state
-    state: dict[str, Any] = {"format": _FORMAT, "version": STATE_VERSION, "epoch": int(epochs.epoch),
+    # Version 1 unless the state names each reader's batches: older growcache resumes from it.
+    state: dict[str, Any] = {"format": _FORMAT, "version": 1, "epoch": int(epochs.epoch),
                              "seed": int(epochs.options.seed), "cache_id": epochs.cache.cache_id,
                              # Before a first epoch the group is unknown, and resolving it here would fix it
                              # before the process group exists: a state between epochs needs no plan.
@@ -219,10 +224,9 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     asked = 0 if latest is None else latest.consumed if consumed is None else min(int(consumed), latest.consumed)
     if taken < asked and not latest.ended and not latest._order_noted:
         latest._order_noted = True  # once per epoch: a trainer saves often
-        logger.warning("epoch %d: batches taken out of order (DataLoader in_order=False): a resume from a state "
-                       "saved in it starts after the last batch every worker had delivered in turn (batch %d of %d "
-                       "now), and reads those taken since again; in_order=True resumes exactly", latest.number,
-                       taken, asked)
+        logger.warning("epoch %d: batches taken out of order (DataLoader in_order=False) whose readers are not all "
+                       "known: a resume from a state saved in it starts where they were last known (batch %d of %d "
+                       "now), and reads those taken since again", latest.number, taken, asked)
     if latest is None or latest.ended or taken >= latest.batches():
         if latest is not None and not latest.ended:
             state["epoch"] = latest.number + 1
@@ -240,6 +244,10 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     state.update(epoch=latest.number, seed=latest.seed, progress=int(taken),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
+    delivered = latest.delivered(taken)
+    if delivered is not None and delivered != round_robin_progress(latest.read_points().counts, taken)[0]:
+        # Taken out of order: each reader resumes after its own batches (version 1 cannot say so).
+        state.update(version=2, delivered=[int(d) for d in delivered])
     return state
 
 
@@ -265,7 +273,9 @@ def check_state(state: Any) -> dict[str, Any]:
     if set(state) == {"epoch"}:  # growcache before exact resume
         return {"format": _FORMAT, "version": STATE_VERSION, "epoch": _int(state, "epoch", 0, _MAX_INT),
                 "seed": None, "cache_id": None, "plan": None, "snapshot": None, "progress": 0, "pin": None}
-    unknown = sorted(str(k) for k in set(state) - _KEYS)
+    unknown = sorted(str(k) for k in set(state) - _KEYS
+                     if not (k in _KEYS_SINCE and isinstance(state.get("version"), int)
+                             and state["version"] >= _KEYS_SINCE[k]))
     missing = sorted(_KEYS - set(state))
     if state.get("format") != _FORMAT:
         raise ValueError(f"resume state field 'format' is {state.get('format')!r}, not {_FORMAT!r}: this is not a "
@@ -285,8 +295,9 @@ def check_state(state: Any) -> dict[str, Any]:
     plan = state["plan"]
     if plan is None and state["snapshot"] is None:
         out.update(cache_id=cache_id, plan=None, snapshot=None, progress=_int(state, "progress", 0, 0), pin=None)
-        if state["pin"] is not None:
-            raise ValueError("resume state field 'pin' is set without a snapshot")
+        if state["pin"] is not None or state.get("delivered") is not None:
+            raise ValueError(f"resume state field '{'pin' if state['pin'] is not None else 'delivered'}' is set "
+                             "without a snapshot")
         return out
     keys = {*_PLAN_KEYS, *_PLAN_FLAGS, "split"}
     # 'reader' is optional: states saved before it named their reader are growcache's.
@@ -331,7 +342,23 @@ def check_state(state: Any) -> dict[str, Any]:
                              "seconds}")
         pin = {"name": pin["name"], "until": float(pin["until"])}
     out["pin"] = pin
+    delivered = _check_delivered(state.get("delivered"), out)
+    if delivered is not None:
+        out["delivered"] = delivered
     return out
+
+
+def _check_delivered(delivered: Any, state: dict[str, Any]) -> list[int] | None:
+    """The batches each of the saved rank's readers had delivered (a state saved out of order), checked."""
+    if delivered is None:
+        return None
+    workers = state["plan"]["workers"]
+    if not (isinstance(delivered, list) and len(delivered) == workers
+            and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and 0 <= d <= _MAX_INT
+                    for d in delivered) and sum(delivered) == state["progress"] and state["snapshot"] is not None):
+        raise ValueError(f"resume state field 'delivered' is {delivered!r}, not the batches each of the "
+                         f"{workers} readers delivered, adding up to 'progress' ({state['progress']})")
+    return [int(d) for d in delivered]
 
 
 def _check_snapshot(snapshot: Any) -> dict[str, Any] | None:
@@ -573,7 +600,7 @@ class Resume:
             raise
         workers = plan.workers
         counts = [plan.batches(plan.reader(plan_args["group_rank"], w)) for w in range(workers)]
-        skips, following = split_progress(counts, state["progress"])
+        skips, following = self._skips(counts)
         assignment = None
         if kind == "world":
             assignment = [[key for key in parts if parts[key][3] == reader] for reader in range(epochs.readers)]
@@ -599,6 +626,8 @@ class Resume:
                                                    if os.path.basename(info.path) in gone), np.int64))
         epoch._paths = np.array([os.fsencode(info.path) for info in infos], dtype=np.bytes_)
         epoch._records = np.array([info.records for info in infos], dtype=np.int64)
+        if state.get("delivered") is not None and assignment is None:
+            epoch._count_per_reader(list(skips))  # a later save names each reader's batches again
         self._pin = None  # the epoch owns it now
         with epochs._lock:
             epochs.latest = epoch
@@ -619,7 +648,8 @@ class Resume:
         rank = epochs.group.rank if mine else rank
         tops_up = _saved_tops_up(saved)
         counts = [plan.batches(plan.reader(rank, w)) for w in range(plan.workers)]
-        skips, _ = split_progress(counts, state["progress"])
+        # Another rank's readers: as taken round-robin (a state names only its own rank's).
+        skips, _ = self._skips(counts) if mine else split_progress(counts, state["progress"])
         parts: dict[Any, list] = {}
         for worker in range(plan.workers):
             index = plan.reader(rank, worker)
@@ -629,10 +659,25 @@ class Resume:
             parts[worker if mine else (rank, worker)] = [skip, exclude, quota]
         return parts
 
+    def _skips(self, counts: list[int]) -> tuple[list[int], int]:
+        """The batches each saved reader of this rank delivered, with ``counts`` batches each, and the
+        reader that delivers next: named in the state where they were taken out of order, else
+        the state's progress taken round-robin."""
+        delivered = self.state.get("delivered")
+        if delivered is None:
+            return split_progress(counts, self.state["progress"])
+        return [min(int(d), c) for d, c in zip(delivered, counts)], 0
+
     def _world_parts(self, epochs: Epochs, plan: EpochPlan, infos: list[ShardInfo]) -> dict[Any, list]:
         """Re-planned over another world size: every saved reader's rest, of every saved rank, goes
         whole to one reader of the new world (the largest first, to the least loaded; the same on
         every rank); this rank's, each with the reader it goes to as a fourth item."""
+        if self.state.get("delivered") is not None:
+            logger.warning("epoch %d was saved with batches taken out of order: re-planned over another world size, "
+                           "each rank's rest is taken as if its batches had been taken in turn (every rank must "
+                           "plan the same rests, and a state names only its own rank's readers), so a few batches "
+                           "may be read twice or not at all; resume over the saved world size to resume exactly",
+                           self.epoch)
         streams: dict[Any, list] = {}
         for rank in range(self.state["plan"]["group_size"]):
             streams.update(self._record_parts(epochs, plan, infos, rank))

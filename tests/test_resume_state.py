@@ -61,7 +61,8 @@ def _with(state, path, value):
     (("epoch",), True, "'epoch'"),
     (("epoch",), 2**70, "'epoch'"),
     (("seed",), "0", "'seed'"),
-    (("version",), 2, "'version'"),
+    (("version",), 3, "'version'"),
+    (("delivered",), [2], "unknown fields"),  # a version 1 state names no reader's batches
     (("format",), "torchdata", "'format'"),
     (("progress",), -3, "'progress'"),
     (("cache_id",), "../../x", "'cache_id'"),
@@ -87,6 +88,17 @@ def _with(state, path, value):
 def test_a_damaged_or_hostile_state_is_refused_naming_the_field(epochs, state, path, value, field):
     with pytest.raises(ValueError, match=field):
         load_state(epochs, _with(state, path, value))
+    assert epochs.resume is None
+
+
+@pytest.mark.parametrize("delivered", [[1], [3], [-1, 3], [True, 1], [1.0, 1], "2", [1, 1, 0], "between epochs"])
+def test_a_damaged_count_per_reader_is_refused_naming_the_field(epochs, state, delivered):
+    hostile = dict(copy.deepcopy(state), version=2, delivered=delivered)
+    hostile["plan"]["workers"] = 2
+    if delivered == "between epochs":  # no snapshot: no reader's batches to name
+        hostile = dict(hostile, snapshot=None, plan=None, progress=0, pin=None, delivered=[0, 0])
+    with pytest.raises(ValueError, match="'delivered'"):
+        load_state(epochs, hostile)
     assert epochs.resume is None
 
 
@@ -319,9 +331,11 @@ def test_a_damaged_resume_note_of_another_rank_is_a_disagreement_not_a_traceback
         assert "damaged resume note" in disagreement(notes, group, collective=False), notes
 
 
-def test_batches_taken_out_of_order_resume_where_every_reader_had_delivered_in_turn(id_cache, caplog):
+def test_batches_taken_out_of_order_are_saved_per_reader(id_cache, caplog):
     # DataLoader(in_order=False): a state's progress was split over the readers round-robin as if
-    # taken in turn, so a resume skipped batches a slow reader never delivered (and repeated others).
+    # taken in turn, so a resume skipped batches a slow reader never delivered (and repeated
+    # others); then it resumed where every reader had delivered in turn, reading batches again.
+    # Each reader's batches are saved now.
     write_shards(id_cache, [16, 16, 16, 16])  # two readers, 8 batches each, taken in turn: 0 1 0 1 ...
     epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
     epoch = epochs.start()
@@ -330,22 +344,49 @@ def test_batches_taken_out_of_order_resume_where_every_reader_had_delivered_in_t
         epoch.consume(round_robin=False, reader=reader)
     with caplog.at_level("WARNING", logger="growcache.resume"):
         state = loader_state(epochs, epoch)
-        loader_state(epochs, epoch)
-    assert state["progress"] == 2  # 0 1: after a third, reader 0 would have delivered 2
-    assert len([r for r in caplog.records if "out of order" in r.getMessage()]) == 1  # once per epoch
-    assert loader_state(epochs, epoch, consumed=3)["progress"] == 0  # the last, reader 0's, not trained on
+    assert (state["version"], state["progress"], state["delivered"]) == (2, 4, [1, 3])
+    assert check_state(json.loads(json.dumps(state)))["delivered"] == [1, 3]
+    assert "out of order" not in caplog.text  # nothing is read again
+    assert loader_state(epochs, epoch, consumed=3)["delivered"] == [0, 3]  # the last, reader 0's, not trained on
     epoch.consume(round_robin=False, reader=0)
     epoch.consume(round_robin=False, reader=0)
-    assert loader_state(epochs, epoch)["progress"] == 6  # 3 each: in turn again
+    in_turn = loader_state(epochs, epoch)
+    assert (in_turn["version"], in_turn["progress"], "delivered" in in_turn) == (1, 6, False)  # 3 each: in turn
     epoch.consume(round_robin=False, reader=None)  # a reader unknown: the count's start is what is known
-    assert loader_state(epochs, epoch)["progress"] == 0
+    with caplog.at_level("WARNING", logger="growcache.resume"):
+        assert loader_state(epochs, epoch)["progress"] == 0
+        loader_state(epochs, epoch)
+    assert len([r for r in caplog.records if "out of order" in r.getMessage()]) == 1  # once per epoch
     epoch.end()
 
     in_turn = epochs.start()
     for reader in (0, 1, 0):
         in_turn.consume(reader=reader)
-    assert loader_state(epochs, in_turn)["progress"] == 3
+    state = loader_state(epochs, in_turn)
+    assert (state["version"], state["progress"], "delivered" in state) == (1, 3, False)
     in_turn.end()
+
+
+def test_a_state_saved_out_of_order_resumes_each_reader_after_its_own_batches(id_cache):
+    write_shards(id_cache, [16, 16, 16, 16])
+    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    epoch = epochs.start()
+    for reader in (1, 1, 1, 0, 1):
+        epoch.consume(round_robin=False, reader=reader)
+    state = json.loads(json.dumps(loader_state(epochs, epoch)))
+    epoch.end()
+    resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    assert (resumed.skips, resumed.rotation, resumed.consumed) == ((1, 4), 0, 5)
+    assert resumed.share(0).skip_batches == 1 and resumed.share(1).skip_batches == 4
+    # Taken in turn after the resume, the batches are still counted per reader: a second save
+    # names each reader's own.
+    for reader in (0, 1, 0):
+        resumed.consume(reader=reader)
+    again = loader_state(resumed_epochs, resumed)
+    assert (again["progress"], again["delivered"]) == (8, [3, 5])
+    resumed.end()
 
 
 def test_batches_taken_out_of_order_in_a_resumed_epoch_count_for_the_readers_it_rotated(id_cache):
@@ -364,5 +405,74 @@ def test_batches_taken_out_of_order_in_a_resumed_epoch_count_for_the_readers_it_
     assert resumed.rotation == 1
     resumed.consume(round_robin=False, reader=1)
     resumed.consume(round_robin=False, reader=1)  # saved reader 0's second and third; reader 1 none
-    assert loader_state(resumed_epochs, resumed)["progress"] == 1
+    state = loader_state(resumed_epochs, resumed)
+    assert (state["progress"], state["delivered"]) == (3, [3, 0])
     resumed.end()
+
+
+def test_an_epoch_taken_out_of_order_lets_go_of_what_every_reader_passed_and_no_more(id_cache):
+    # Taken out of order, an epoch's lease held its whole snapshot to the end (a full cache then
+    # stalled its samplers); counted per reader, it lets go of the shards a reader passed.
+    write_shards(id_cache, [8] * 8)  # two readers, four shards each, a batch of 4 per half shard
+    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    epoch = epochs.start()
+    points = epoch.read_points()
+    seqs = epoch.agreed.seqs
+    fast = [seqs[shard] for _, shard in points.points[1]]
+    slow = [seqs[shard] for _, shard in points.points[0]]
+    for _ in range(points.counts[1]):  # reader 1 delivers everything, reader 0 nothing
+        epoch._trim_after = 0.0  # trims are spaced by their cost: not waited for here
+        epoch.consume(round_robin=False, reader=1)
+    assert not set(fast) & epoch.held, "the shards reader 1 passed are let go"
+    assert set(slow) <= epoch.held, "reader 0, which delivered nothing, still reads all of its own"
+    state = json.loads(json.dumps(loader_state(epochs, epoch)))
+    assert state["delivered"] == [0, points.counts[1]]
+    epoch.end()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_out_of_order_saves_resume_every_record_exactly_once(id_cache, seed):
+    # Real readers' batches, taken in a random order by reader (a slow worker, a fast one), saved
+    # at a random batch, some saves naming fewer batches than taken (a trainer that fetched
+    # ahead): the batches before the save and the resumed epoch's hold each record once.
+    import numpy as np
+
+    from growcache.batching import BatchReader
+
+    rng = np.random.default_rng(seed)
+    write_shards(id_cache, [int(n) for n in rng.integers(3, 30, size=7)])
+    options = EpochOptions(4, shuffle_buffer=int(rng.choice([0, 9, 20])))
+    allocate = lambda rows: (None, {k: np.zeros((rows, *v.shape), v.dtype) for k, v in ID_SCHEMA.items()})  # noqa: E731
+
+    def read(epoch, readers):
+        reader = BatchReader(ID_SCHEMA, 4, shuffle_buffer=epoch.epochs.reader.shuffle_buffer)
+        return [[arrays["id"][:rows].reshape(-1).tolist() for _, arrays, rows in reader.batches(epoch.share(r), allocate)]
+                for r in range(readers)]
+
+    for trial in range(4):
+        epochs = Epochs(id_cache, options, readers=3)
+        epochs.epoch = trial
+        epoch = epochs.start()
+        streams = read(epoch, 3)
+        everything = sorted(i for stream in streams for b in stream for i in b)
+        taken, at = [], [0, 0, 0]
+        for _ in range(int(rng.integers(0, sum(map(len, streams)) + 1))):
+            open_ = [r for r in range(3) if at[r] < len(streams[r])]
+            r = int(rng.choice(open_, p=np.array([1.0 + 4 * (r == 2) for r in open_]) / sum(1.0 + 4 * (r == 2)
+                                                                                               for r in open_)))
+            taken.append(streams[r][at[r]])
+            at[r] += 1
+            epoch.consume(round_robin=False, reader=r)
+        consumed = len(taken) - int(rng.integers(0, 3)) if taken else 0
+        state = json.loads(json.dumps(loader_state(epochs, epoch, consumed=max(consumed, 0))))
+        epoch.end()
+        before = [i for b in taken[:max(consumed, 0)] for i in b]
+        resumed_epochs = Epochs(id_cache, options, readers=3)
+        load_state(resumed_epochs, state)
+        if state["snapshot"] is None:  # the whole epoch was taken
+            assert sorted(before) == everything
+            continue
+        resumed = resumed_epochs.start()
+        rest = [i for stream in read(resumed, 3) for b in stream for i in b]
+        resumed.end()
+        assert sorted(before + rest) == everything, (seed, trial, state.get("delivered"), state["progress"])
