@@ -213,7 +213,7 @@ def test_stopping_cancels_the_parts_in_flight(tmp_path, http_store):
     began = time.monotonic()
     flow = Flow(8, 64 << 20)
     assert _fetch(source, cache, concurrency=8, should_stop=stop.is_set, flow=flow) == []
-    assert time.monotonic() - began < 3.0  # it did not wait for the parts
+    assert time.monotonic() - began < 10.0  # it did not wait for the parts (30 s each)
     assert flow.bytes == 0  # the cancelled parts' budget is given back to the worker's flow
     assert state_of(cache, source)["claims"] == {}  # released: the next fetch takes it again
 
