@@ -17,8 +17,9 @@ LAYOUT = BatchLayout.build([("id", "int64", ()), ("x", "float32", (3, 5))], batc
 
 def _shm_names() -> set[str]:
     try:
-        # growcache's segments only (multiprocessing's own semaphores live there too)
-        return {n for n in os.listdir("/dev/shm") if n.startswith("growcache-")}
+        # This process's growcache segments only: multiprocessing's own semaphores live there
+        # too, and so do the segments of tests another pytest worker runs meanwhile.
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"growcache-v2-{os.getpid()}-")}
     except FileNotFoundError:
         return set()
 
