@@ -392,14 +392,18 @@ split_progress = round_robin_progress
 
 
 def needed_shards(plan: EpochPlan, rank: int, consumed: int, window_rows: int, window_batches: int,
-                  records: Sequence[int], tops_up: bool, *, exact: bool = True) -> set[int]:
+                  records: Sequence[int], tops_up: bool, *, exact: bool = True,
+                  delivered: Sequence[int] | None = None) -> set[int]:
     """Indices of the snapshot shards that rank ``rank`` still reads after ``consumed`` batches
-    (:meth:`growcache.planning.ReadPoints.left`; ``window_rows`` is ``window_batches`` batches).
+    (:meth:`growcache.planning.ReadPoints.left`; ``window_rows`` is ``window_batches`` batches),
+    or, where given, once each of its readers delivered ``delivered`` (a state's ``delivered``:
+    :meth:`~growcache.planning.ReadPoints.left_after`).
 
     A reader passes over the whole shuffle windows it delivered, and the shards wholly inside
     them are never opened again; a top up keeps the start of its cycle that it reads again.
     """
-    return read_points(plan, rank, records, window_batches, tops_up=tops_up, exact=exact).left(consumed)
+    points = read_points(plan, rank, records, window_batches, tops_up=tops_up, exact=exact)
+    return points.left(consumed) if delivered is None else points.left_after(delivered)
 
 
 @dataclass(eq=False)
@@ -831,9 +835,13 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     batches = window_batches(params["shuffle_buffer"], params["batch_size"])
     # Shards the rest of the epoch does not read (the pin let them go as the epoch went on) may be gone.
     needed: set[int] = set()
+    # Each saved reader resumes after its own batches where the state names them, and the pin kept
+    # only what that reads; re-planned over another world size, every rank's are taken in turn.
+    delivered = checked.get("delivered") if kind != "world" else None
     for rank in range(params["group_size"]) if kind == "world" else [params["group_rank"]]:  # re-planned: all ranks'
         needed |= needed_shards(plan, rank, checked["progress"], batches * params["batch_size"], batches, records_of,
-                                _saved_tops_up(params), exact=epochs.options.on_corrupt == "raise")
+                                _saved_tops_up(params), exact=epochs.options.on_corrupt == "raise",
+                                delivered=delivered)
     lost = [(name, records) for i, (name, _, records) in enumerate(shards)
             if i in needed and name not in present and name not in skipped]
     if lost:

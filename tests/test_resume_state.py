@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ID_SCHEMA, write_shards
-from growcache import Cache
+from growcache import Cache, MissingShardsError
 from growcache.epoch import EpochOptions, Epochs, trainer_epoch
 from growcache.resume import check_state, load_state, loader_state, split_progress
 
@@ -437,17 +437,10 @@ def test_random_out_of_order_saves_resume_every_record_exactly_once(id_cache, se
     # ahead): the batches before the save and the resumed epoch's hold each record once.
     import numpy as np
 
-    from growcache.batching import BatchReader
-
     rng = np.random.default_rng(seed)
     write_shards(id_cache, [int(n) for n in rng.integers(3, 30, size=7)])
     options = EpochOptions(4, shuffle_buffer=int(rng.choice([0, 9, 20])))
-    allocate = lambda rows: (None, {k: np.zeros((rows, *v.shape), v.dtype) for k, v in ID_SCHEMA.items()})  # noqa: E731
-
-    def read(epoch, readers):
-        reader = BatchReader(ID_SCHEMA, 4, shuffle_buffer=epoch.epochs.reader.shuffle_buffer)
-        return [[arrays["id"][:rows].reshape(-1).tolist() for _, arrays, rows in reader.batches(epoch.share(r), allocate)]
-                for r in range(readers)]
+    read = _read_streams
 
     for trial in range(4):
         epochs = Epochs(id_cache, options, readers=3)
@@ -476,3 +469,56 @@ def test_random_out_of_order_saves_resume_every_record_exactly_once(id_cache, se
         rest = [i for stream in read(resumed, 3) for b in stream for i in b]
         resumed.end()
         assert sorted(before + rest) == everything, (seed, trial, state.get("delivered"), state["progress"])
+
+
+def _read_streams(epoch, readers):
+    """Each reader's batches of ``epoch`` (batches of 4), as lists of ids, read by growcache's reader."""
+    import numpy as np
+
+    from growcache.batching import BatchReader
+
+    reader = BatchReader(ID_SCHEMA, 4, shuffle_buffer=epoch.epochs.reader.shuffle_buffer)
+    allocate = lambda rows: (None, {k: np.zeros((rows, *v.shape), v.dtype) for k, v in ID_SCHEMA.items()})  # noqa: E731
+    return [[arrays["id"][:rows].reshape(-1).tolist() for _, arrays, rows in reader.batches(epoch.share(r), allocate)]
+            for r in range(readers)]
+
+
+def test_a_state_saved_out_of_order_finds_its_shards_in_a_cache_that_evicted_what_its_pin_let_go(tmp_path):
+    # The pin keeps only what each reader reads after its own batches; the resume checked for the
+    # shards a resume from the progress split round-robin reads, so it refused with
+    # MissingShardsError a state whose fast reader's passed shards a full cache had evicted.
+    from conftest import grow_while_down
+    from growcache.resume import keep_pin, pin_epoch
+
+    cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
+    write_shards(cache, [8] * 8)  # two readers, four shards each, two batches of 4 per shard
+    first = {s.path for s in cache.list_shards()}
+    options = EpochOptions(4, shuffle_buffer=0)
+    epochs = Epochs(cache, options, readers=2)
+    epoch = epochs.start()
+    pin_epoch(epoch, 3600)
+    streams = _read_streams(epoch, 2)
+    everything = sorted(i for stream in streams for batch in stream for i in batch)
+    slow_first = epoch.shards[epoch.read_points().points[0][0][1]].path
+    taken, at = [], [0, 0]
+    for reader in (1, 1, 1, 1, 1, 1, 0, 1):  # reader 0 slow: 3 of reader 1's shards are passed
+        taken.extend(streams[reader][at[reader]])
+        at[reader] += 1
+        epoch.consume(round_robin=False, reader=reader)
+    state = json.loads(json.dumps(loader_state(epochs, epoch)))
+    assert state["delivered"] == [1, 7]
+    keep_pin(epoch)  # the run is killed
+    epoch.end()
+    cache, _ = grow_while_down(tmp_path / "cache", first)
+    assert not first <= {s.path for s in cache.list_shards()}, "shards of the epoch were evicted"
+    resumed_epochs = Epochs(cache, options, readers=2)
+    load_state(resumed_epochs, state)  # on_missing="raise": nothing the rest of the epoch reads is gone
+    resumed = resumed_epochs.start()
+    rest = [i for stream in _read_streams(resumed, 2) for batch in stream for i in batch]
+    resumed.end()
+    assert sorted(taken + rest) == everything
+    # The other way round: reader 0 still reads its first shard, which the progress in turn (4 batches
+    # each) passed; gone, it was skipped without the MissingShardsError on_missing="raise" asks for.
+    os.unlink(slow_first)
+    with pytest.raises(MissingShardsError, match=os.path.basename(slow_first)):
+        load_state(Epochs(cache, options, readers=2), state)
