@@ -901,16 +901,21 @@ class Epoch:
             round_robin: ``False``: taken in another order (``DataLoader(in_order=False)``): the
                 batches are counted per reader, and a state saved in the epoch names each
                 reader's (:meth:`delivered`). Default: ``True``.
-            reader: the reader process that delivered the batches.
+            reader: the reader process that delivered the batches; ``None`` with ``round_robin``:
+                each reader in turn.
         """
         if not round_robin and self._delivered is None:  # from the epoch's (or the resume's) round-robin start
             self._count_per_reader(round_robin_progress(self.read_points().counts, self.consumed)[0])
         if self._delivered:
-            reader = self.planned_reader(reader)
-            if reader is not None and 0 <= reader < len(self._delivered):
-                self._delivered[reader] += batches
-                self._recent.extend([reader] * min(batches, _RECENT))
-            else:  # a reader unknown: a resume re-reads from the last point known
+            if reader is None and round_robin:
+                known = self._count_in_turn(batches)
+            else:
+                reader = self.planned_reader(reader)
+                known = reader is not None and 0 <= reader < len(self._delivered)
+                if known:
+                    self._delivered[reader] += batches
+                    self._recent.extend([reader] * min(batches, _RECENT))
+            if not known:  # a reader unknown: a resume re-reads from the last point known
                 self._delivered, self._recent = [], collections.deque(maxlen=_RECENT)
         self.consumed += batches
         if self.consumed >= self._next_trim and (round_robin if self._delivered is None else bool(self._delivered)):
@@ -925,6 +930,28 @@ class Epoch:
     def _count_per_reader(self, delivered: list[int]) -> None:
         """Count batches per reader from here on, each reader having delivered ``delivered``."""
         self._delivered, self._known, self._known_delivered = list(delivered), self.consumed, list(delivered)
+
+    def _count_in_turn(self, batches: int) -> bool:
+        """Count ``batches`` taken in turn from the reader processes, process 0 first since the count
+        per reader began (a resume from a state saved out of order, read on by an adapter whose
+        batches name no reader: TensorFlow's interleave). ``False``: the counts so far are not that
+        order's, or the readers have no more batches, so the readers of these are unknown."""
+        order = [self.planned_reader(process) for process in range(len(self._delivered))]
+        if sorted(q for q in order if q is not None) != list(range(len(order))):
+            return False
+        counts = self.read_points().counts
+        rest = [max(counts[q] - self._known_delivered[q], 0) for q in order]
+        since = self.consumed - self._known
+        before, _ = round_robin_progress(rest, since)
+        after, _ = round_robin_progress(rest, since + batches)
+        if before != [self._delivered[q] - self._known_delivered[q] for q in order] \
+                or sum(after) - sum(before) != batches:
+            return False
+        for process, q in enumerate(order):
+            self._delivered[q] += after[process] - before[process]
+        for taken in range(since + batches - min(batches, _RECENT), since + batches):
+            self._recent.append(order[round_robin_progress(rest, taken)[1]])
+        return True
 
     def planned_reader(self, reader: int | None) -> int | None:
         """The reader of the epoch's plan (of :meth:`read_points`) that reader process ``reader``

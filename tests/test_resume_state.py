@@ -367,14 +367,20 @@ def test_batches_taken_out_of_order_are_saved_per_reader(id_cache, caplog):
     in_turn.end()
 
 
-def test_a_state_saved_out_of_order_resumes_each_reader_after_its_own_batches(id_cache):
-    write_shards(id_cache, [16, 16, 16, 16])
-    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+def _saved_out_of_order(cache, readers):
+    """A state of two readers of 8 batches each (batches of 4), saved after the batches of ``readers``."""
+    write_shards(cache, [16, 16, 16, 16])
+    epochs = Epochs(cache, EpochOptions(4, shuffle_buffer=0), readers=2)
     epoch = epochs.start()
-    for reader in (1, 1, 1, 0, 1):
+    for reader in readers:
         epoch.consume(round_robin=False, reader=reader)
     state = json.loads(json.dumps(loader_state(epochs, epoch)))
     epoch.end()
+    return state
+
+
+def test_a_state_saved_out_of_order_resumes_each_reader_after_its_own_batches(id_cache):
+    state = _saved_out_of_order(id_cache, (1, 1, 1, 0, 1))
     resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
     load_state(resumed_epochs, state)
     resumed = resumed_epochs.start()
@@ -386,6 +392,28 @@ def test_a_state_saved_out_of_order_resumes_each_reader_after_its_own_batches(id
         resumed.consume(reader=reader)
     again = loader_state(resumed_epochs, resumed)
     assert (again["progress"], again["delivered"]) == (8, [3, 5])
+    resumed.end()
+
+
+def test_a_state_saved_out_of_order_read_on_in_turn_by_unnamed_readers_saves_each_readers_again(id_cache):
+    # TensorFlow's pipeline takes a resumed epoch's batches in turn, reader 0 first, naming none:
+    # they were counted for no reader, and every later state fell back to the resume's point.
+    state = _saved_out_of_order(id_cache, (1, 1, 1, 1, 1, 1, 0))
+    resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    resumed.consume()
+    resumed.consume(3)  # 0 1 0 1: then reader 1 has delivered its 8
+    assert loader_state(resumed_epochs, resumed)["delivered"] == [3, 8]
+    assert loader_state(resumed_epochs, resumed, consumed=10)["delivered"] == [3, 7]  # the last, reader 1's
+    resumed.consume(2)  # reader 0's alone
+    assert loader_state(resumed_epochs, resumed)["delivered"] == [5, 8]
+    resumed.end()
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    resumed.consume(round_robin=False, reader=1)  # not reader 0's turn: the order is not in turn
+    resumed.consume()
+    assert loader_state(resumed_epochs, resumed)["delivered"] == [1, 6]  # where the count began
     resumed.end()
 
 

@@ -96,6 +96,42 @@ def test_a_state_saved_while_prefetch_holds_the_epochs_last_batches_resumes_them
     assert got + _ids(resumed) == expected
 
 
+
+def test_a_state_saved_out_of_order_resumes_here_and_saves_again_exactly(grown):
+    # A torch loader's DataLoader(in_order=False) names each reader's batches (version 2); resumed
+    # here, the batches come in turn but name no reader, so every later state fell back to the
+    # resume's point (records read twice) and the lease held the whole snapshot.
+    from growcache.planning import round_robin_progress
+    from growcache.resume import loader_state
+
+    expected = _reference(grown)  # 3 readers in turn: batch n is reader following(n)'s
+    saver = _dataset(grown)
+    saver.epochs.set_epoch(1)
+    epoch = saver.epochs.start()
+    counts = list(epoch.read_points().counts)
+    streams: list[list[list[int]]] = [[], [], []]
+    for n, batch in enumerate(expected):
+        streams[round_robin_progress(counts, n)[1]].append(batch)
+    taken, at = [], [0, 0, 0]
+    for reader in (2, 2, 2, 2, 1, 2, 2, 0):  # reader 2 fast, reader 0 slow
+        taken.append(streams[reader][at[reader]])
+        at[reader] += 1
+        epoch.consume(round_robin=False, reader=reader)
+    state = json.loads(json.dumps(loader_state(saver.epochs, epoch)))
+    assert state["version"] == 2 and state["delivered"] == [1, 1, 6]
+    epoch.end()
+    resumed = _dataset(grown)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    middle = [next(iterator)["id"].numpy().tolist() for _ in range(5)]
+    again = json.loads(json.dumps(resumed.state_dict()))
+    assert again["progress"] == state["progress"] + 5 and again["delivered"] == [3, 3, 7]
+    del iterator
+    rest = _dataset(grown)
+    rest.load_state_dict(again)
+    ids = sorted(i for batch in taken + middle + _ids(rest) for i in batch)
+    assert ids == sorted(i for batch in expected for i in batch), "every record once"
+
 def test_reader_tensorflow_reads_the_epoch_again_and_skips_what_was_consumed(grown):
     expected = _reference(grown, reader="tensorflow")
     ds = _dataset(grown, reader="tensorflow")
