@@ -832,16 +832,24 @@ def load_state(epochs: Epochs, state: Any, *, on_missing: str = "raise", replan:
     plan = plan_epoch(records_of, epoch=checked["epoch"], seed=checked["seed"], world_size=params["group_size"],
                       num_workers=params["workers"], batch_size=params["batch_size"], drop_last=params["drop_last"],
                       even_batches=params["even_batches"])
+    delivered = checked.get("delivered")
+    # Where no other group's batch count re-plans the saved rank's (quotas evened out over groups
+    # of ranks), its readers' batches are known: a damaged count past them would have the resumed
+    # epoch count batches its readers never give, and a DDP rank run out before the others.
+    if delivered is not None and kind != "world" and not (params["even_batches"] and epochs.group.groups > 1):
+        counts = [plan.batches(plan.reader(params["group_rank"], w)) for w in range(params["workers"])]
+        if any(d > c for d, c in zip(delivered, counts)):
+            raise ValueError(f"resume state field 'delivered' is {delivered}, more batches than the saved rank's "
+                             f"readers yield ({counts}): the state is damaged")
     batches = window_batches(params["shuffle_buffer"], params["batch_size"])
     # Shards the rest of the epoch does not read (the pin let them go as the epoch went on) may be gone.
     needed: set[int] = set()
     # Each saved reader resumes after its own batches where the state names them, and the pin kept
     # only what that reads; re-planned over another world size, every rank's are taken in turn.
-    delivered = checked.get("delivered") if kind != "world" else None
     for rank in range(params["group_size"]) if kind == "world" else [params["group_rank"]]:  # re-planned: all ranks'
         needed |= needed_shards(plan, rank, checked["progress"], batches * params["batch_size"], batches, records_of,
                                 _saved_tops_up(params), exact=epochs.options.on_corrupt == "raise",
-                                delivered=delivered)
+                                delivered=delivered if kind != "world" else None)
     lost = [(name, records) for i, (name, _, records) in enumerate(shards)
             if i in needed and name not in present and name not in skipped]
     if lost:

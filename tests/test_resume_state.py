@@ -102,6 +102,18 @@ def test_a_damaged_count_per_reader_is_refused_naming_the_field(epochs, state, d
     assert epochs.resume is None
 
 
+def test_a_count_per_reader_beyond_that_readers_batches_is_refused(epochs, state):
+    # Adding up to the progress, it was clamped at the resume to the reader's batches: the epoch
+    # counted batches its readers never give (a DDP rank then runs out before the others).
+    hostile = dict(copy.deepcopy(state), version=2, progress=4, delivered=[4, 0])
+    hostile["plan"]["workers"] = 2  # readers of 9 and of 4 + 7 records: 3 batches of 4 each
+    with pytest.raises(ValueError, match=r"'delivered' is \[4, 0\].*\(\[3, 3\]\)"):
+        load_state(epochs, hostile)
+    assert epochs.resume is None
+    load_state(epochs, dict(hostile, progress=3, delivered=[3, 0]))  # every batch of one reader
+    assert epochs.resume is not None
+
+
 def test_a_saved_shard_larger_than_the_cache_is_refused_not_replayed(epochs, state):
     # Passed whole by the saved progress, a shard gone from the cache is not needed, but the
     # resume replays one shuffle draw per window before its point: 10**13 records stalled it.
