@@ -20,6 +20,7 @@ from typing import Any
 from growcache.epoch import EpochBookkeeping
 from growcache.errors import MissingExtraError
 from growcache.metrics import DEFAULT_LOGGED, MeteredLoader, TrainerSource
+from growcache.planning import _take_from_fullest
 from growcache.resume import ResumableLoader
 
 try:
@@ -79,6 +80,17 @@ class InputStatsCallback(Callback):
             pl_module.log_dict(chosen, on_step=False, on_epoch=True, sync_dist=False)
 
 
+def _cut_back(delivered: list[int], ahead: int) -> tuple[list[int], int]:
+    """Each reader's batches of a state saved out of order, ``ahead`` batches fetched ahead of the
+    steps taken back, and their sum. Which readers' they were is unknown, and any may have been:
+    each goes back by ``ahead``. Every rank goes back by as many in all (readers at 0 leave theirs
+    to the fullest), so that DDP ranks still resume the same progress, and yield as many batches."""
+    delivered = [int(d) for d in delivered]
+    target = max(sum(delivered) - ahead * len(delivered), 0)
+    cut = [max(d - ahead, 0) for d in delivered]
+    return _take_from_fullest(cut, sum(cut) - target), target
+
+
 class ResumeCallback(Callback):
     """Makes a resumed Lightning run read a growcache loader where and in the order it stopped.
 
@@ -118,7 +130,11 @@ class ResumeCallback(Callback):
             return
         for state in states or ():  # another Lightning's layout: the progress at least
             if isinstance(state, dict) and state.get("format") == "growcache-loader" and state.get("snapshot"):
-                state["progress"] = min(int(state["progress"]), processed)
+                ahead = int(state["progress"]) - processed
+                if ahead > 0 and isinstance(state.get("delivered"), list):
+                    state["delivered"], state["progress"] = _cut_back(state["delivered"], ahead)
+                else:
+                    state["progress"] = min(int(state["progress"]), processed)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Warn when a growcache loader's epoch is not the trainer's (an epoch's order would repeat)."""

@@ -189,3 +189,36 @@ def test_a_trainer_killed_at_a_random_batch_resumes_from_last_ckpt_batch_by_batc
     print(f"{checkpoint}: killed at step {kill_at}, checkpoint at {saved} (every {every}) of {len(whole)}")
     assert before[:saved] + rest == whole, f"killed at step {kill_at}, resumed from step {saved}"
     assert "reads the growcache loader's epoch" not in killed.stderr + resumed.stderr  # ResumeCallback's warning
+
+
+def _slow_first_worker(worker_id: int) -> None:
+    if worker_id == 0:
+        time.sleep(2)  # the other worker's batches overtake its own: a state names each worker's
+
+
+@pytest.mark.timeout(120)
+def test_a_state_saved_out_of_order_cut_back_in_another_lightnings_layout_still_loads(id_cache, tmp_path):
+    # Where Lightning lays its checkpoint out otherwise, the callback cuts the saved progress back to
+    # the steps processed; a state naming each reader's batches then no longer added up, and its
+    # resume raised. Which reader's batches were fetched ahead is unknown: each reader goes back.
+    write_shards(id_cache, SHARDS)
+    options = dict(num_workers=2, shuffle_buffer=20, seed=3, in_order=False, persistent_workers=False)
+    with growcache.make_torch_loader(id_cache, 8, worker_init_fn=_slow_first_worker, **options) as cut:
+        iterator = iter(cut)
+        fetched = [next(iterator)["id"].tolist() for _ in range(6)]  # the trainer stepped on 5
+        state = json.loads(json.dumps(cut.state_dict()))
+        del iterator
+    assert state["progress"] == 6 and state["delivered"][0] < state["delivered"][1]
+    trainer = _trainer(tmp_path)  # never fitted: no combined loader to match the states to
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 5
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [state]}}}}
+    ResumeCallback().on_save_checkpoint(trainer, None, checkpoint)
+    # Two readers back by one each, the slow one's taken from the fast one: every rank of a DDP run
+    # resumes the same progress whatever its readers' counts.
+    assert state["progress"] == 4 and state["delivered"] == [0, 4]
+    with growcache.make_torch_loader(id_cache, 8, **options) as resumed:
+        resumed.load_state_dict(state)
+        rest = [i for batch in resumed for i in batch["id"].tolist()]
+    trained = [i for batch in fetched[:5] for i in batch]
+    assert sorted(set(trained) | set(rest)) == list(range(sum(SHARDS))), "none of the epoch lost"
+    assert not set(fetched[5]) - set(rest), "the batch fetched ahead is read again"
