@@ -53,19 +53,26 @@ def burn(seconds):
 gone = threading.Thread(target=burn, args=(0.3,))  # exits before the split is read: "other"
 gone.start()
 gone.join()
-pause, stop = threading.Event(), threading.Event()
+pause, idle, stop = threading.Event(), threading.Event(), threading.Event()
+spun = [0.0]
 
 def spin():
     while not pause.is_set():
         burn(0.05)
+        spun[0] = time.thread_time()
+    idle.set()
     stop.wait()  # alive, idle: still a live thread while the split is read
 
 busy = threading.Thread(target=spin)
 busy.start()
 burn(0.2)
-time.sleep(0.6)
+# The busy thread runs until it has spent 0.6 s of CPU, however long that takes: a fixed sleep
+# gave it under 0.4 s on a host whose cores other processes (another test) keep busy.
+deadline = time.monotonic() + 60
+while spun[0] < 0.6 and time.monotonic() < deadline:
+    time.sleep(0.02)
 pause.set()
-time.sleep(0.1)
+idle.wait(60)  # its last burn ended: nothing but the main thread runs while the split is read
 split, total = fill._thread_cpu_s([os.getpid()]), fill._cpu_s([os.getpid()])
 stop.set()
 busy.join()
