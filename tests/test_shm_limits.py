@@ -296,9 +296,17 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 def _swept(name: str) -> bool:
     """Whether a sweep removes ``name`` within 10 s: a killed process's descriptors (and locks)
-    go a moment after its parent saw it die, when it is a pid namespace's init."""
+    go a moment after its parent saw it die, when it is a pid namespace's init.
+
+    The sweep may be another process's: every cache open and named slab of a test that another
+    pytest worker runs meanwhile sweeps ``/dev/shm`` too, and whichever sweep comes first after
+    the last lock goes removes the segment. Nothing else unlinks it (the owner's resource tracker
+    died in its process group), so a segment gone is a segment swept.
+    """
     deadline = time.monotonic() + 10
     while name not in remove_dead_segments():
+        if not os.path.exists(f"/dev/shm/{name}"):
+            return True  # swept by another process between its last lock going and this sweep
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
