@@ -666,6 +666,7 @@ time.sleep(120)
 @pytest.mark.parametrize("next_start", ["cache open", "prune", "loader start"])
 def test_shared_memory_of_a_killed_process_group_is_removed_at_the_next_start(tmp_path, next_start):
     # scancel, docker kill and OOM kills take the whole process group, resource tracker included.
+    import fcntl
     import signal
 
     from growcache.transport import BatchLayout, Slab
@@ -677,9 +678,19 @@ def test_shared_memory_of_a_killed_process_group_is_removed_at_the_next_start(tm
     assert name and os.path.exists(f"/dev/shm/{name}")
     Cache(cache.path)  # the owner lives: its segment stays
     assert os.path.exists(f"/dev/shm/{name}")
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    assert os.path.exists(f"/dev/shm/{name}"), "the kill leaves the segment behind"
+    # Across the kill this process holds the shared lock that every process mapping a segment
+    # holds: a test that another pytest worker runs meanwhile opens caches and starts loaders,
+    # whose sweeps would otherwise remove the dead segment before the check below. A lock stops
+    # no unlink, so the check still shows that nothing (no resource tracker) removed it; the lock
+    # goes before the next start, which must then remove it.
+    held = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        assert os.path.exists(f"/dev/shm/{name}"), "the kill leaves the segment behind"
+    finally:
+        os.close(held)
     if next_start == "cache open":
         Cache(cache.path)
     elif next_start == "prune":
