@@ -225,8 +225,8 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     if taken < asked and not latest.ended and not latest._order_noted:
         latest._order_noted = True  # once per epoch: a trainer saves often
         logger.warning("epoch %d: batches taken out of order (DataLoader in_order=False) whose readers are not all "
-                       "known: a resume from a state saved in it starts where they were last known (batch %d of %d "
-                       "now), and reads those taken since again", latest.number, taken, asked)
+                       "known: a resume from a state saved in it starts where the count per reader began (batch %d "
+                       "of %d now), and reads those taken since again", latest.number, taken, asked)
     if latest is None or latest.ended or taken >= latest.batches():
         if latest is not None and not latest.ended:
             state["epoch"] = latest.number + 1
