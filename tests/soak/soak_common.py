@@ -99,6 +99,29 @@ def shm_mappings(pids: Iterable[int]) -> set[str]:
     return names
 
 
+def shm_inodes(pids: Iterable[int]) -> set[int]:
+    """Inodes of the /dev/shm files that the processes ``pids`` have mapped now. By inode: a
+    named semaphore is mapped under the temporary name glibc created it by."""
+    inodes = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                inodes.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
+        except (OSError, ValueError, IndexError):
+            pass
+    return inodes
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``None`` once it is gone): with the pid,
+    it names one process, never a later one that the kernel gave the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def rss(pid: int) -> int:
     """Resident bytes of ``pid`` (0 if it is gone)."""
     try:
@@ -153,7 +176,7 @@ class Reader:
         self.control = control
         self.out = open(out, "a", buffering=1)
         self.parent = os.getppid()
-        self.seen_children: set[int] = set()
+        self.seen_children: set[tuple[int, int]] = set()  # (pid, start time)
         self.seen_shm: set[str] = set()
 
     def emit(self, **fields: Any) -> None:
@@ -170,7 +193,7 @@ class Reader:
 
     def _watch(self) -> dict[str, int]:
         kids = children(os.getpid())
-        self.seen_children.update(kids)
+        self.seen_children.update((pid, start) for pid in kids if (start := start_time(pid)) is not None)
         self.seen_shm |= shm_mappings([os.getpid(), *kids])
         return {str(pid): rss(pid) for pid in [os.getpid(), *kids]}
 

@@ -32,9 +32,11 @@ themselves take longer on 2 cores, and the whole test about a minute).
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +58,9 @@ from soak_common import (
     object_name,
     payload,
     rss,
+    shm_inodes,
     shm_mappings,
+    start_time,
 )
 from _fullfs import fill, size_limited_fs
 from stores import s3, s3_server  # noqa: F401
@@ -146,6 +150,13 @@ class Monitor(threading.Thread):
         self.recent_leases: dict[int, float] = {}  # seq -> last time seen leased
         self.sampler_rss: dict[int, list[int]] = collections.defaultdict(list)
         self.sampler_pids: set[int] = set()
+        self.samplers: set[tuple[int, int]] = set()  # (pid, start time) of every sampler seen
+        # What this soak's processes (this one's descendants) are and have mapped in /dev/shm:
+        # another pytest worker's tests use the same /dev/shm meanwhile, and only entries these
+        # processes own or mapped can be this soak's leaks (see shm_leaks).
+        self.tree_pids: set[int] = set()
+        self.tree_inodes: set[int] = set()
+        self._tree_lock = threading.Lock()
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -153,6 +164,8 @@ class Monitor(threading.Thread):
         while not self.stop.wait(0.1):
             try:
                 self.check()
+                if ticks % 5 == 0:
+                    self.watch_tree()
             except Exception as exc:  # noqa: BLE001 - a broken monitor must fail the test, not die silently
                 self.problems.append(f"monitor error: {type(exc).__name__}: {exc}")
             ticks += 1
@@ -161,10 +174,22 @@ class Monitor(threading.Thread):
                     for pid in pool.pids:
                         self.sampler_rss[pid].append(rss(pid))
 
+    def watch_tree(self) -> None:
+        """Note this process's descendants and the /dev/shm inodes they map now (twice a second,
+        and at once before the trainer's process group is killed)."""
+        pids = [os.getpid(), *children(os.getpid())]
+        inodes = shm_inodes(pids)
+        with self._tree_lock:
+            self.tree_pids.update(pids)
+            self.tree_inodes |= inodes
+
     def check(self) -> None:
         now = time.monotonic()
         for pool in self.pools:
-            self.sampler_pids.update(pool.pids)
+            for pid in pool.pids:
+                if pid not in self.sampler_pids and (start := start_time(pid)) is not None:
+                    self.samplers.add((pid, start))
+                self.sampler_pids.add(pid)
         with self.cache._locked():
             leases = self.cache._manifest.live_leases()
             published, temps = 0, {}
@@ -223,6 +248,7 @@ class ReaderProcess:
             self.proc = subprocess.Popen([*prefix, sys.executable, os.path.join(HERE, f"{kind}_reader.py"), cache_path,
                                           self.control, self.out], stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        self.start = start_time(self.proc.pid)
         self._offset = 0
         self.lines: list[dict] = []
 
@@ -345,33 +371,47 @@ def size_of(path: str) -> int:
         return 0
 
 
-def live(pid: int) -> bool:
+def live(pid: int, start: int | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not); given ``start``, whether the process that started
+    then does. The pid alone may name another process by the end: on a 32768-pid host, the
+    threads of this soak and of another pytest worker's tests cycle through the pids in minutes."""
     try:
+        if start is not None and start_time(pid) != start:
+            return False
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def shm_leaks(before: set[str], ours: set[str]) -> list[str]:
-    """/dev/shm entries that appeared since ``before`` and that no live process has mapped
-    (orphans), plus the names in ``ours`` (segments the finished readers mapped) that still exist.
+# The owner's pid in a name: growcache's segments (transport.segment_name, and before v2), torch's.
+_OWNER = re.compile(r"^(?:growcache-(?:v2-)?|torch_)([0-9]+)[-_]")
 
-    Mappings are matched by inode: a named semaphore is mapped under a temporary name.
+
+def shm_leaks(before: set[str], ours: set[str], monitor: Monitor) -> list[str]:
+    """/dev/shm entries of this soak that appeared since ``before`` and that no live process has
+    mapped (orphans), plus the names in ``ours`` (segments the finished readers mapped) that
+    still exist.
+
+    Mappings are matched by inode: a named semaphore is mapped under a temporary name. An
+    orphan is the soak's when its name says a soak process owns it, or when a soak process
+    mapped it (``monitor``'s record). /dev/shm is the whole machine's: a test that another
+    pytest worker runs meanwhile makes entries no process maps too (a killed process group's
+    semaphores and segments, an unlocked segment made on purpose), and those are no leak of
+    this soak's.
     """
-    in_use: set[int] = set()
-    for proc in psutil.process_iter():
-        try:
-            with open(f"/proc/{proc.pid}/maps") as f:
-                in_use.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
-        except (OSError, ValueError, IndexError):
-            pass
+    monitor.watch_tree()
+    in_use = shm_inodes(proc.pid for proc in psutil.process_iter())
+    with monitor._tree_lock:
+        pids, mapped = set(monitor.tree_pids), set(monitor.tree_inodes)
     leaks = [n for n in ours if os.path.exists(f"/dev/shm/{n}")]
     for name in set(os.listdir("/dev/shm")) - before - set(leaks):
         try:
-            if os.stat(f"/dev/shm/{name}").st_ino not in in_use:
-                leaks.append(name)
+            inode = os.stat(f"/dev/shm/{name}").st_ino
         except FileNotFoundError:
-            pass
+            continue
+        owner = _OWNER.match(name)
+        if inode not in in_use and (inode in mapped or (owner is not None and int(owner[1]) in pids)):
+            leaks.append(name)
     return sorted(leaks)
 
 
@@ -436,14 +476,31 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
                        lambda: len(readers[0].epochs()) >= MEMORY_EPOCHS, WAIT_S, readers)
             dead = readers[0]
             dead_pids = [dead.proc.pid, *children(dead.proc.pid)]
+            dead_procs = {(pid, start) for pid in dead_pids if (start := start_time(pid)) is not None}
             dead_shm = {n for n in shm_mappings(dead_pids) if n.startswith("growcache-")}
             assert dead_shm, "the trainer's DataLoader (spawn) maps named slabs"
-            dead.killed = True
-            os.killpg(dead.proc.pid, signal.SIGKILL)
-            dead.proc.wait(30)
-            left_by_kill = sorted(n for n in dead_shm if os.path.exists(f"/dev/shm/{n}"))
+            monitor.watch_tree()  # the trainer's semaphores, mapped until the kill
+            # Across the kill this process holds the shared lock that every process mapping a
+            # slab holds: the cache opens and loader starts of a test another pytest worker runs
+            # meanwhile sweep /dev/shm, and would remove the dead slabs before the check below. A
+            # lock stops no unlink: the check still shows that no resource tracker removed them.
+            held = []
+            try:
+                for name in dead_shm:
+                    try:
+                        held.append(os.open(f"/dev/shm/{name}", os.O_RDONLY))
+                    except FileNotFoundError:
+                        continue
+                    fcntl.flock(held[-1], fcntl.LOCK_SH)
+                dead.killed = True
+                os.killpg(dead.proc.pid, signal.SIGKILL)
+                dead.proc.wait(30)
+                left_by_kill = sorted(n for n in dead_shm if os.path.exists(f"/dev/shm/{n}"))
+            finally:
+                for fd in held:
+                    os.close(fd)  # from here the restarted trainer's start must remove them
             assert left_by_kill, "the kill took the resource tracker too: the slabs stay until growcache removes them"
-            orphaned_semaphores = {n for n in shm_leaks(shm_before, set()) if n.startswith("sem.")}
+            orphaned_semaphores = {n for n in shm_leaks(shm_before, set(), monitor) if n.startswith("sem.")}
             prefix, env, how = hostname_prefix("soak-restarted")
             if env:  # another process table: the dead trainer's files expire by heartbeat
                 monkeypatch.setenv("GROWCACHE_OWNER_EXPIRY", "4")
@@ -601,20 +658,22 @@ def test_soak(s3_server, s3, tmp_path, capsys, monkeypatch):
                      if n.startswith(TMP_PREFIX) or n.endswith(".tmp")]
         assert leftovers == []
         assert os.listdir(os.path.join(cache.path, "leases")) == [], "a lease outlived its reader"
-        seen = set(monitor.sampler_pids) | {r.proc.pid for r in all_readers} | set(dead_pids)
+        # Each process by its pid and start time: by the end its pid may name another process.
+        seen = set(monitor.samplers) | {(r.proc.pid, r.start) for r in all_readers} | dead_procs
         for reader in readers:
-            seen |= set(reader.events("done")[0]["children"])
+            seen |= {tuple(child) for child in reader.events("done")[0]["children"]}
         deadline = time.monotonic() + 30
-        while any(live(pid) for pid in seen) and time.monotonic() < deadline:
+        while any(live(pid, start) for pid, start in seen) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [pid for pid in seen if live(pid)] == [], "leaked processes"
+        assert sorted(pid for pid, start in seen if live(pid, start)) == [], "leaked processes"
         extra = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before
                  and live(p.pid) and "resource_tracker" not in " ".join(p.cmdline())]
         assert extra == [], f"leaked child processes: {extra}"
         mapped = set().union(*(set(r.events("done")[0]["shm"]) for r in readers)) | dead_shm
         # The process-group kill orphans multiprocessing's and PyTorch's randomly named semaphores,
         # which are not growcache's to recognise (pitfalls.md); growcache's own slabs must be gone.
-        assert [n for n in shm_leaks(shm_before, mapped) if n not in orphaned_semaphores] == [], "leaked shared memory"
+        assert [n for n in shm_leaks(shm_before, mapped, monitor) if n not in orphaned_semaphores] == [], \
+            "leaked shared memory"
 
         # -- memory flat across epochs ------------------------------------------------------------
         series: dict[str, list[int]] = {f"sampler {pid}": values for pid, values in monitor.sampler_rss.items()}
