@@ -23,6 +23,10 @@ import growth  # noqa: E402
 
 
 def _free_port() -> int:
+    """A port number that was free a moment ago, for MASTER_PORT: growcache names the run by it.
+    The ranks never listen on it; they meet through a file in the test's directory. Bound by
+    rank 0 seconds later, once the spawned ranks have imported torch, the port could be taken
+    meanwhile by a test that another pytest worker runs (its servers, its own ranks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,7 +39,8 @@ def _rank(rank: int, world: int, port: int, cache_dirs: list[str], out: str, spl
     import growcache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROWCACHE_NODE=f"node-{rank // per_node}")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # growcache names the run by MASTER_ADDR:MASTER_PORT; the ranks meet through a file (see _free_port).
+    dist.init_process_group("gloo", init_method=f"file://{out}/gloo-rendezvous", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

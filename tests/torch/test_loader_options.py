@@ -120,8 +120,10 @@ DDP_CASES = {"even": {}, "uneven": {"even_batches": False}, "even_drop": {"drop_
 def _ddp_rank(rank: int, world: int, cache_dir: str, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # growcache names the run by these
+    # The ranks meet through a file, not on the port: bound by rank 0 seconds after free_port() found it
+    # free (once the spawned ranks imported torch), it could be taken by another pytest worker's test.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/gloo-rendezvous", rank=rank, world_size=world)
     results = {}
     for name, options in DDP_CASES.items():
         # Forked workers, as under torchrun (mp.spawn leaves "spawn" as this process's default,

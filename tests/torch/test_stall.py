@@ -117,6 +117,10 @@ def test_an_epoch_left_early_says_so(id_cache, caplog):
 
 
 def _free_port() -> int:
+    """A port number that was free a moment ago, for MASTER_PORT: growcache names the run by it.
+    The ranks never listen on it; they meet through a file in the test's directory. Bound by
+    rank 0 seconds later, once the spawned ranks have imported torch, the port could be taken
+    meanwhile by a test that another pytest worker runs (its servers, its own ranks)."""
     import socket
 
     with socket.socket() as s:
@@ -144,8 +148,9 @@ def _rank_stall(rank: int, world: int, cache_dir: str, port: int, out_dir: str) 
     logging.getLogger("growcache.metrics").setLevel(logging.INFO)
     if rank == 1:  # num_workers=0: the reader runs in this process
         growcache.worker_feed.slab_batches = _slowed(growcache.worker_feed.slab_batches)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # growcache names the run by these
+    # The ranks meet through a file, not on the port (see _free_port).
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/gloo-rendezvous", rank=rank, world_size=world)
     with make_torch_loader(cache_dir, 4, num_workers=0, shuffle_buffer=0) as loader:
         batches = sum(1 for _ in loader)
         f = loader.stats().epoch

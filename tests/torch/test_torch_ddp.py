@@ -17,6 +17,10 @@ from conftest import ID_SCHEMA, write_shards  # noqa: E402
 
 
 def _free_port() -> int:
+    """A port number that was free a moment ago, for MASTER_PORT: growcache names the run by it.
+    The ranks never listen on it; they meet through a file in the test's directory. Bound by
+    rank 0 seconds later, once the spawned ranks have imported torch, the port could be taken
+    meanwhile by a test that another pytest worker runs (its servers, its own ranks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -27,8 +31,9 @@ def _train_ddp(rank: int, world: int, port: int, out_dir: str, make_loaders: dic
     group (one launch checks every variant); write each variant's epochs: ids and batch count."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # growcache names the run by these
+    # The ranks meet through a file, not on the port (see _free_port).
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/gloo-rendezvous", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -136,8 +141,9 @@ def _first_batch_outcome(rank: int, world: int, port: int, out_dir: str, cache_d
 
     import growcache
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # growcache names the run by these
+    # The ranks meet through a file, not on the port (see _free_port).
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/gloo-rendezvous", rank=rank, world_size=world)
     loader = growcache.make_torch_loader(cache_dir, 4, **loader_kwargs)
     try:
         next(iter(loader))
