@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -74,21 +73,17 @@ def test_prepare_model_and_optimizer_only_keeps_every_guarantee(id_cache):
         written += write_shards(id_cache, [SHARD], first_id=1000 * (epoch + 1))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(240)
 def test_two_processes_under_torchrun(id_cache, tmp_path):
     """2 ranks (gloo on 127.0.0.1): the recipe trains 3 growing epochs, disjoint and even; each
     rank resumes a mid-epoch checkpoint batch by batch; a prepared loader fails at once on every
     rank that iterates it, and the run ends, not hangs."""
     written = write_shards(id_cache, [SHARD, 5, 7, 3])
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), os.path.join(HERE, "accelerate_ddp.py"), id_cache.path,
-            str(tmp_path), str(SHARD)]
+    # --standalone: torchrun's own store takes a free port as it binds it (port 0), and the ranks
+    # meet there. A port found free here and bound seconds later, once torchrun has imported
+    # torch, could be taken meanwhile by a test that another pytest worker runs.
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node", "2", os.path.join(HERE, "accelerate_ddp.py"), id_cache.path, str(tmp_path), str(SHARD)]
     result = subprocess.run(args, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=220, cwd=str(tmp_path))
     output = result.stdout[-4000:] + result.stderr[-4000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -144,19 +143,16 @@ def test_resume_reads_the_trainers_epoch_order(id_cache, tmp_path):
     assert direct.ids[3] == expected[3]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(240)
 def test_ddp_two_ranks_disjoint_equal_growing_and_resumed(id_cache, tmp_path):
     """torchrun starts 2 CPU ranks (gloo); Lightning's DDP trains 2 epochs, then resumes for a third."""
     written = write_shards(id_cache, [SHARD, 5, 7, 3])
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), os.path.join(HERE, "lightning_ddp.py"), id_cache.path,
-            str(tmp_path), str(tmp_path / "ddp.ckpt"), str(SHARD)]
+    # --standalone: torchrun's own store takes a free port as it binds it (port 0), and the ranks
+    # meet there. A port found free here and bound seconds later, once torchrun has imported
+    # torch, could be taken meanwhile by a test that another pytest worker runs.
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node", "2", os.path.join(HERE, "lightning_ddp.py"), id_cache.path, str(tmp_path),
+            str(tmp_path / "ddp.ckpt"), str(SHARD)]
     result = subprocess.run(args, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=220, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
