@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from stores import hold_port
+
 __all__ = ["FaultyHTTPStore", "wait_until"]
 
 
@@ -25,12 +27,6 @@ def wait_until(predicate: Any, timeout: float = 30.0, what: str = "condition") -
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _range_bytes(header: str | None, size: int) -> int:
@@ -57,13 +53,18 @@ class FaultyHTTPStore:
         hang_next: how many of the next GETs get no answer at all (until the server closes).
         down: refuse every connection (the listening socket is closed) while true; set with
             :meth:`go_down` and :meth:`come_back`.
+
+    The port is held from the start to the end (``stores.hold_port`` while nothing listens): a
+    port found free and bound only later, at the start or when the store comes back, could be
+    taken meanwhile by a test that another pytest worker runs.
         hide_sizes: tell no object's size: HEAD is refused (405) and a GET's body comes chunked,
             without Content-Length, as some dynamic servers send it.
     """
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.port = _free_port()
+        self._held: socket.socket | None = hold_port()
+        self.port = self._held.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.latency = 0.0
         self.throttle_until = 0.0
@@ -111,6 +112,9 @@ class FaultyHTTPStore:
         from aiohttp import web
 
         self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        if self._held is not None:
+            self._held.close()  # the site binds the port at once, in this same call
+            self._held = None
         await self._site.start()
 
     async def _stop(self) -> None:
@@ -118,6 +122,9 @@ class FaultyHTTPStore:
             if not hung.done():
                 hung.set_result(None)
         await self._runner.cleanup()
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def go_down(self) -> None:
         """Refuse connections (and drop the open ones) until :meth:`come_back`."""
@@ -126,6 +133,10 @@ class FaultyHTTPStore:
             # Keep-alive connections would still be served: close every one.
             for proto in list(getattr(self._runner.server, "connections", [])):
                 proto.force_close()
+            try:
+                self._held = hold_port(self.port)  # refused, and kept for come_back()
+            except OSError:  # not held: refused all the same, as before this guard
+                self._held = None
         asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
 
     def come_back(self) -> None:

@@ -30,7 +30,9 @@ __all__ = [
     "free_port",
     "gcs",
     "gcs_server",
+    "hold_port",
     "memory_store",
+    "refused_port",
     "s3",
     "s3_server",
 ]
@@ -39,10 +41,42 @@ BUCKET = "growcache-test"  # a valid DNS name, as S3 and GCS require
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Nothing keeps it free: a test that another pytest worker runs may bind it next. For an
+    endpoint that must refuse connections use :func:`refused_port`.
+    """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def hold_port(port: int = 0) -> socket.socket:
+    """A socket bound to ``port`` on 127.0.0.1 (a free one for 0) that never listens: while it is
+    open, connections to the port are refused, as by a dead server, and no other process binds
+    the port by asking for any free one (another pytest worker's servers do). SO_REUSEADDR, so
+    that a server restarted on the port (with SO_REUSEADDR too) can bind it once this closes, and
+    this can bind it while the stopped server's connections wait in TIME_WAIT."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+_REFUSING: list[socket.socket] = []  # never closed: their ports refuse for this process's life
+
+
+def refused_port() -> int:
+    """A TCP port on 127.0.0.1 that refuses every connection for the rest of this process: a dead
+    endpoint. A port merely found free (bound, then closed) may be bound meanwhile by a test that
+    another pytest worker runs, and then answer."""
+    sock = hold_port()
+    _REFUSING.append(sock)
+    return sock.getsockname()[1]
 
 
 def clear_fsspec_caches() -> None:
@@ -81,13 +115,17 @@ class Store:
 
 
 class S3Server:
-    """moto's ThreadedMotoServer on a fixed port, so it can be stopped and started again.
+    """moto's ThreadedMotoServer on one port, so it can be stopped and started again.
 
-    Its buckets live in moto's in-process backends, so they survive a restart.
+    Its buckets live in moto's in-process backends, so they survive a restart. The port is held
+    from the start to the end (:func:`hold_port` while the server is stopped): a port found free
+    and bound only later, at a start or restart, could be taken meanwhile by a test that another
+    pytest worker runs (and moto's start then waits for good on a server that never binds).
     """
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self._held: socket.socket | None = hold_port()
+        self.port = self._held.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._server = None
 
@@ -95,6 +133,9 @@ class S3Server:
         from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
         self._server = ThreadedMotoServer("127.0.0.1", self.port, verbose=False)
+        if self._held is not None:
+            self._held.close()  # the server binds the port a moment later (werkzeug: SO_REUSEADDR)
+            self._held = None
         self._server.start()
 
     def stop(self) -> None:
@@ -104,6 +145,17 @@ class S3Server:
             # clients get "connection refused", as from a dead server.
             self._server._server.server_close()
             self._server = None
+            try:
+                self._held = hold_port(self.port)
+            except OSError:  # not held: refused all the same, as before this guard
+                self._held = None
+
+    def close(self) -> None:
+        """Stop the server, and let go of its port."""
+        self.stop()
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def reset(self) -> None:
         request = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
@@ -137,7 +189,7 @@ def s3_server():
     try:
         yield server
     finally:
-        server.stop()
+        server.close()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
