@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stores import Store, free_port, s3, s3_server  # noqa: F401
+from stores import Store, refused_port, s3, s3_server  # noqa: F401
 
 from growcache import (
     Cache,
@@ -132,7 +132,7 @@ def _npy(array: np.ndarray, **kwargs) -> bytes:
 
 
 def _unreachable_store(store: Store) -> Source:
-    options = dict(store.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    options = dict(store.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{refused_port()}"})
     return NpyWindowSource(f"{store.url}/a.npy", 2, storage_options=options, retry=FAST)
 
 

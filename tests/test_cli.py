@@ -250,11 +250,11 @@ def test_a_malformed_storage_option_never_echoes_its_value(tmp_path, capsys):
 def test_a_refused_store_fails_the_command_within_the_deadline_with_one_error(tmp_path):
     import re
 
-    from stores import free_port
+    from stores import refused_port
 
     result = subprocess.run(
         [_exe(), "sample", "s3://growcache-test/a.npy", str(tmp_path / "c"), "--window", "2", "--retry-deadline", "3",
-         "--retries", "50", f"--storage-option=client_kwargs.endpoint_url=http://127.0.0.1:{free_port()}",
+         "--retries", "50", f"--storage-option=client_kwargs.endpoint_url=http://127.0.0.1:{refused_port()}",
          "--storage-option=key=anykey", f"--storage-option=secret={SECRET}"],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, AWS_EC2_METADATA_DISABLED="true"))
     assert result.returncode == 1, result.stderr

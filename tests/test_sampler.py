@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from stores import S3Server, SilentServer, free_port, s3, s3_server  # noqa: F401
+from stores import S3Server, SilentServer, refused_port, s3, s3_server  # noqa: F401
 
 from growcache import Cache, Schema
 from growcache.eviction import choose_evictions_fifo
@@ -339,7 +339,7 @@ def test_missing_bucket_fails_the_pool_at_once_without_secrets(s3_server, s3, tm
 def test_store_never_reached_fails_fast_without_restarts(s3_server, tmp_path):
     # Issue 29: the outage budget applies once the store has answered; a store that never did
     # (a wrong endpoint, a typo) fails after the retries of one try, with no restarts.
-    options = s3_server.storage_options(client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    options = s3_server.storage_options(client_kwargs={"endpoint_url": f"http://127.0.0.1:{refused_port()}"})
     source = NpyWindowSource("s3://growcache-test/a.npy", 8, storage_options=options,
                              retry=RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02))
     cache = Cache(tmp_path / "c", capacity="16MB", schema=WINDOW_SCHEMA)

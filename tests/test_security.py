@@ -25,7 +25,7 @@ import traceback
 
 import numpy as np
 import pytest
-from stores import free_port, s3, s3_server  # noqa: F401
+from stores import refused_port, s3, s3_server  # noqa: F401
 
 from conftest import ID_SCHEMA, id_sample, write_shards
 from growcache import Cache, CacheFormatError, CorruptShardError, SamplerError, SourceError
@@ -144,7 +144,7 @@ def test_planted_credentials_appear_in_no_output(s3_server, s3, tmp_path, caplog
     for name, url, opts in [
         ("missing bucket", "s3://no-such-bucket-growcache/*.npy", options),
         ("dead store", f"{s3.url}/data/*.npy",
-         dict(options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})),
+         dict(options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{refused_port()}"})),
     ]:
         failing = ObjectSource(url, storage_options=opts, retry=FAST)
         with pytest.raises(SourceError) as direct:

@@ -19,10 +19,10 @@ from stores import (  # noqa: F401
     S3Server,
     SilentServer,
     Store,
-    free_port,
     gcs,
     gcs_server,
     memory_store,
+    refused_port,
     s3,
     s3_server,
 )
@@ -251,7 +251,7 @@ PLANTED = "PLANTED-s3cr3t-9f8e7d"
 
 
 def test_connection_refused_retries_then_transient_error_without_secrets(s3_server, caplog):
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     options = s3_server.storage_options(secret=PLANTED, client_kwargs={"endpoint_url": dead})
     policy = RetryPolicy(attempts=3, initial_delay=0.05, max_delay=0.1)
     source = NpyWindowSource("s3://growcache-test/x.npy", 2, storage_options=options, retry=policy)
@@ -271,7 +271,7 @@ def test_connection_refused_retries_then_transient_error_without_secrets(s3_serv
 def test_refused_s3_fails_within_the_default_deadline_with_one_error(s3_server, caplog):
     # No config_kwargs: growcache configures botocore and s3fs itself. Their own retries used
     # to multiply with growcache's, and a refused endpoint took 43 s to fail.
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     options = {"key": "k", "secret": PLANTED, "client_kwargs": {"endpoint_url": dead}}
     source = NpyWindowSource("s3://growcache-test/x.npy", 2, storage_options=options)
     assert source.retry.deadline is not None and source.retry.deadline <= 30
@@ -336,7 +336,7 @@ class _ResettingServer:
 
 
 def test_deadline_ends_retries_before_the_attempts_run_out(tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}/a.npy"
+    dead = f"http://127.0.0.1:{refused_port()}/a.npy"
     policy = RetryPolicy(attempts=1000, initial_delay=0.05, max_delay=0.2, deadline=1.0)
     source = ObjectSource(dead, retry=policy)
     with pytest.raises(TransientSourceError, match=r"kept failing after \d+ attempts in"):
@@ -385,7 +385,7 @@ def test_missing_bucket_message_and_logs_hold_no_secret(s3_server, s3, caplog):
     # Every log record at DEBUG, botocore's and s3fs's included.
     assert PLANTED not in str(info.value) and PLANTED not in repr(source) and PLANTED not in caplog.text
     # A password in a URL is a credential too.
-    http = ObjectSource(f"http://user:{PLANTED}@127.0.0.1:{free_port()}/a.npy", retry=FAST)
+    http = ObjectSource(f"http://user:{PLANTED}@127.0.0.1:{refused_port()}/a.npy", retry=FAST)
     with pytest.raises(SourceError) as info:
         http(np.random.default_rng(0))
     assert PLANTED not in str(info.value) and PLANTED not in repr(http) and "127.0.0.1" in str(info.value)
