@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from stores import hold_port
 
 from conftest import write_shards
 
@@ -27,22 +27,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHARD = 8
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @pytest.mark.timeout(300)
 def test_two_workers_split_a_shared_growing_cache_exactly_once(id_cache, tmp_path):
     written = write_shards(id_cache, [SHARD, 5, 7, 3, 6])
     epochs = 3
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    # TF_CONFIG names the workers' ports before their gRPC servers bind them, seconds later (after
+    # importing TensorFlow). Sockets bound to them and never listening hold them meanwhile: the
+    # kernel hands no process that asks for a free port one of these (a test that another pytest
+    # worker runs would otherwise take them), and the servers still bind them (SO_REUSEADDR on
+    # both sides; only a listening socket excludes another).
+    held = [hold_port() for _ in range(2)]
+    workers = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in held]
     procs = []
     for index in range(2):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
@@ -59,6 +54,8 @@ def test_two_workers_split_a_shared_growing_cache_exactly_once(id_cache, tmp_pat
                 proc.kill()
                 proc.wait()
             log.close()
+        for sock in held:
+            sock.close()
     logs = "\n".join((tmp_path / f"worker{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs
     runs = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
