@@ -23,6 +23,9 @@ SHARDS = [37, 50, 23, 41, 60, 13, 29]
 
 
 def _free_port() -> int:
+    """A port number that was free a moment ago, for MASTER_PORT: growcache names the run by it.
+    The ranks meet through a file of this launch instead: bound by rank 0 seconds later, the
+    port could be taken meanwhile by a test that another pytest worker runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -36,9 +39,11 @@ def _rank(rank: int, world: int, port: int, cache: str, out: str, mode: str, sto
 
     import growcache
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # A rank left waiting in an all-reduce fails after this, rather than hang the test.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # growcache names the run by these
+    # A rank left waiting in an all-reduce fails after this, rather than hang the test. One file per
+    # launch (a test launches twice: the cut run and the resume).
+    dist.init_process_group("gloo", init_method=f"file://{out}/gloo-rendezvous-{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4 * 8, 1))
     loader = growcache.make_torch_loader(cache, batch_size, num_workers=0, shuffle_buffer=20, seed=3)
     state_path = os.path.join(out, f"state{rank}.json")
