@@ -973,9 +973,14 @@ class Epoch:
             return None
         taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
         back = self.consumed - taken
-        if taken < self._known:  # before the count began: no reader ahead of either count
-            in_turn = round_robin_progress(self.read_points().counts, taken)[0]
-            return [min(known, turn) for known, turn in zip(self._known_delivered, in_turn)]
+        if taken < self._known:  # before the count began
+            counts = self.read_points().counts
+            if self._known_delivered == round_robin_progress(counts, self._known)[0]:
+                return round_robin_progress(counts, taken)[0]  # taken in turn up to there: exact
+            # Resumed from a state saved out of order: which readers' batches the ones taken back
+            # were is not known, so each reader may have given any of them back (none skipped).
+            back = self._known - taken
+            return [max(known - back, 0) for known in self._known_delivered]
         if not self._delivered or back > len(self._recent):
             return list(self._known_delivered)
         delivered = list(self._delivered)

@@ -244,7 +244,7 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     state.update(epoch=latest.number, seed=latest.seed, progress=int(taken),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
-    delivered = latest.delivered(taken)
+    delivered = latest.delivered(asked)  # adds up to taken
     if delivered is not None and delivered != round_robin_progress(latest.read_points().counts, taken)[0]:
         # Taken out of order: each reader resumes after its own batches (version 1 cannot say so).
         state.update(version=2, delivered=[int(d) for d in delivered])

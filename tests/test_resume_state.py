@@ -562,3 +562,26 @@ def test_a_state_saved_out_of_order_finds_its_shards_in_a_cache_that_evicted_wha
     os.unlink(slow_first)
     with pytest.raises(MissingShardsError, match=os.path.basename(slow_first)):
         load_state(Epochs(cache, options, readers=2), state)
+
+
+def test_a_save_behind_the_resume_point_of_a_state_saved_out_of_order_skips_no_batch_never_taken(id_cache):
+    # A save naming fewer batches than the resumed epoch began at (a trainer that fetched ahead
+    # saves one less) guessed each reader's count as if the batches had been taken in turn: with
+    # a slow reader 0 ([1, 4] at 5 batches), the guess gave reader 0 a batch it may never have
+    # delivered (at 4 batches it had [0, 4] or [1, 3]), which a resume then skipped.
+    write_shards(id_cache, [16, 16, 16, 16])
+    epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    epoch = epochs.start()
+    for reader in (1, 1, 1, 0, 1):
+        epoch.consume(round_robin=False, reader=reader)
+    state = json.loads(json.dumps(loader_state(epochs, epoch)))
+    epoch.end()
+    assert state["delivered"] == [1, 4]
+    resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    behind = loader_state(resumed_epochs, resumed, consumed=4)
+    for possible in ([0, 4], [1, 3]):
+        assert all(saved <= was for saved, was in zip(behind["delivered"], possible)), behind["delivered"]
+    assert behind["progress"] == sum(behind["delivered"])
+    resumed.end()
