@@ -927,6 +927,23 @@ class Epoch:
             self._next_trim = self._next_change()
             self._trim_after = now + _TRIM_SPACING * (time.monotonic() - now)
 
+    def take_back(self, consumed: int) -> None:
+        """The training loop took only ``consumed`` batches of those counted (its framework counted
+        batches it had prefetched): the count goes back, and so do the readers' counts, by the
+        readers of the batches given back (beyond the last few known, the counts per reader are
+        where they began, and a state saved later reads the batches since again)."""
+        consumed = max(int(consumed), 0)
+        if consumed >= self.consumed:
+            return
+        if self._delivered:
+            if self.consumed - consumed <= len(self._recent) and consumed >= self._known:
+                self._delivered = self.delivered(consumed)
+                for _ in range(self.consumed - consumed):
+                    self._recent.pop()
+            else:
+                self._delivered, self._recent = [], collections.deque(maxlen=_RECENT)
+        self.consumed = consumed
+
     def _count_per_reader(self, delivered: list[int]) -> None:
         """Count batches per reader from here on, each reader having delivered ``delivered``."""
         self._delivered, self._known, self._known_delivered = list(delivered), self.consumed, list(delivered)

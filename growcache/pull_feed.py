@@ -177,7 +177,9 @@ class IteratorEpochs:
         return epoch
 
     def _count(self, epoch: Epoch, consumed: int) -> None:
-        if self.replays or consumed < epoch.consumed:
+        if consumed < epoch.consumed:  # counted ahead of the loop (batches it had prefetched)
+            epoch.take_back(consumed)
+        elif self.replays:
             # TensorFlow's interleave does not read in the plan's order: the lease holds everything.
             epoch.consumed = consumed
         elif consumed > epoch.consumed:  # the readers deliver round-robin: the lease lets go of shards read

@@ -585,3 +585,23 @@ def test_a_save_behind_the_resume_point_of_a_state_saved_out_of_order_skips_no_b
         assert all(saved <= was for saved, was in zip(behind["delivered"], possible)), behind["delivered"]
     assert behind["progress"] == sum(behind["delivered"])
     resumed.end()
+
+
+def test_a_count_the_loop_gives_back_takes_back_the_readers_counts_too(id_cache):
+    # TensorFlow's pipeline sets the count to what Keras says the loop took, which can be fewer
+    # than the batches it counted (prefetched): in an epoch counted per reader (resumed from a
+    # state saved out of order) the readers' counts stayed ahead, and a save named batches the
+    # loop never trained on, which the next resume skipped.
+    state = _saved_out_of_order(id_cache, (1, 1, 1, 0, 1))  # [1, 4] at 5 batches
+    resumed_epochs = Epochs(id_cache, EpochOptions(4, shuffle_buffer=0), readers=2)
+    load_state(resumed_epochs, state)
+    resumed = resumed_epochs.start()
+    resumed.consume()  # taken in turn, naming no reader (TensorFlow's interleave)
+    after_one = loader_state(resumed_epochs, resumed)
+    resumed.consume(2)
+    from growcache.pull_feed import IteratorEpochs
+
+    IteratorEpochs(resumed_epochs)._count(resumed, 6)  # Keras says the loop took one of the three
+    again = loader_state(resumed_epochs, resumed)
+    assert (again["progress"], again["delivered"]) == (after_one["progress"], after_one["delivered"]) == (6, [2, 4])
+    resumed.end()
