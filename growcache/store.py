@@ -449,7 +449,9 @@ class StoreSource(Source):
         ticket = current_ticket()
         if ticket is not None:
             ticket.settle(claimed, len(data))
-        if self._sizes.get(path, -1) < 0:
+        if self._sizes.get(path) != len(data):
+            # Also a size out of date (the object was rewritten since it was listed or told): claimed
+            # at every draw, each fetch would hold its real size over max_bytes_in_flight.
             self._sizes[path] = len(data)
 
     def paths(self) -> list[str]:

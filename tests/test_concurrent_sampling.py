@@ -539,6 +539,41 @@ def test_an_object_deleted_from_s3_mid_run_is_passed_over_not_the_end_of_the_poo
     assert "growcache-test-secret" not in err
 
 
+def test_an_object_rewritten_larger_is_claimed_at_its_new_size_once_fetched(tmp_path):
+    # The size the listing gave was claimed at every draw of an object rewritten larger since: each
+    # fetch of it held its real size over max_bytes_in_flight, for the life of the sampler.
+    from growcache._concurrent import Flow, Task, Ticket, make_engine
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "o.bin").write_bytes(np.int64(1).tobytes() * 1_000)  # 8 kB when listed
+    source = ObjectSource(str(store / "*.bin"), decoder=first_word)
+    source.paths()
+    (store / "o.bin").write_bytes(np.int64(2).tobytes() * 25_000)  # 200 kB now
+    flow = Flow(4, 300_000)
+    engine = make_engine(source, 4)  # local files: the threads engine
+
+    def draw(index):
+        task = Task(index, sample_rng(1, index, 0), 0, Ticket(flow))
+        engine.submit(task)
+        return task
+
+    try:
+        first = draw(0)
+        assert engine.done.get(timeout=30) is first and first.error is None
+        first.ticket.release()
+        held = Ticket(flow)
+        held.acquire(150_000)
+        second = draw(1)
+        time.sleep(0.5)
+        assert engine.done.empty() and flow.bytes == 150_000, "200 kB do not fit beside 150 kB: the draw waits"
+        held.release()
+        assert engine.done.get(timeout=30) is second and second.error is None
+        assert flow.peak_bytes <= 300_000, f"{flow.peak_bytes} bytes held at once"
+    finally:
+        engine.close()
+
+
 def test_a_npy_rewritten_shorter_mid_run_is_read_with_its_new_header(tmp_path):
     store = _local_arrays(tmp_path)  # a0, a1, a2: 2000 rows each
     source = NpyWindowSource(str(store / "*.npy"), WINDOW)
