@@ -391,7 +391,7 @@ class StoreSource(Source):
         ticket = current_ticket()
         if size is None and not self._unsized and ticket is not None and ticket.flow.concurrency > 1:
             fs = self.fs
-            size = self._told(path, self._io("sizing", self._url(path), lambda: fs.size(path)))
+            size = self._told(path, self._io("sizing", self._url(path), lambda: _sized(lambda: fs.size(path))))
         return None if size is None or size < 0 else size
 
     async def _asize(self, path: str) -> int | None:
@@ -411,8 +411,17 @@ class StoreSource(Source):
 
     async def _ask_size(self, path: str) -> int:
         fs = self.fs
-        info = await self._aio("sizing", self._url(path), lambda: fs._info(path))
-        return self._told(path, info.get("size"))
+
+        async def info() -> Any:
+            try:
+                return await fs._info(path)
+            except FileNotFoundError as exc:
+                error = _not_found(exc)
+                if error is exc:
+                    raise
+            raise error
+
+        return self._told(path, (await self._aio("sizing", self._url(path), info)).get("size"))
 
     def _told(self, path: str, size: Any) -> int:
         """Remember the size the store gave for ``path``: -1 where it gave none (an HTTP server
@@ -646,6 +655,28 @@ def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: Re
             client.setdefault("timeout", timeout)
             options["client_kwargs"] = client
     return options
+
+
+def _not_found(exc: FileNotFoundError) -> BaseException:
+    """The error of a size request that raised ``exc``. fsspec's http ``info`` asks by HEAD, then by
+    GET, and raises FileNotFoundError for whatever made the GET fail: a 503 or a refused connection
+    is the store's passing trouble, to retry (and ride out), not an object gone from the store.
+
+    Raise it outside the ``except`` block: inside, the FileNotFoundError raised from it would become
+    its context, a cycle."""
+    cause = exc.__cause__
+    return cause if isinstance(cause, Exception) and is_transient(cause) else exc
+
+
+def _sized(size: Callable[[], Any]) -> Any:
+    """``size()``, a size request of a sync filesystem; the error to retry where it is one (:func:`_not_found`)."""
+    try:
+        return size()
+    except FileNotFoundError as exc:
+        error = _not_found(exc)
+        if error is exc:
+            raise
+    raise error
 
 
 def _hint(exc: BaseException) -> str:

@@ -374,6 +374,24 @@ def test_objects_whose_size_the_store_does_not_tell_stay_under_the_bound(tmp_pat
     assert _records(cache) == _expected(source, 11, 120)
 
 
+@pytest.mark.parametrize("engine", ["event loop", "threads"])
+def test_a_failed_size_request_of_a_store_that_tells_no_size_is_retried_not_taken_as_not_found(tmp_path, http,
+                                                                                                engine):
+    # fsspec's http asks a size by HEAD, then by GET, and raises FileNotFoundError for any failure of
+    # the GET: one 503 (or a refused connection) failed the pool, or left a globbed object out as vanished.
+    rng = np.random.default_rng(2)
+    urls = [http.put(f"u{i}.bin", np.int64(i).tobytes() + rng.bytes(20_000)) for i in range(4)]
+    http.hide_sizes = True
+    http.fail_next = [503, 503]  # the first GETs are size requests: no fetch claims bytes before them
+    source = ObjectSource(urls, decoder=first_word, retry=QUICK)
+    if engine == "threads":  # a user source drawing from a store source in threads: sizes asked by sync calls
+        source = FunctionSource(source, thread_safe=True)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=8, count=40,
+                               max_bytes_in_flight=100_000)
+    assert http.statuses.get(503) == 2 and http.statuses.get(405)
+    assert _records(cache) == _expected(source, 11, 40)
+
+
 class PairOfWindows:
     """A thread-safe user source drawing two windows of a store source per sample (module level,
     so that it pickles): each sample holds its first window's bytes while it claims the second."""
