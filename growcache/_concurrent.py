@@ -73,7 +73,7 @@ class Flow:
         self._holders: set[int] = set()  # numbers of the tickets that hold bytes
         # New claims that did not fit, oldest first: a claim waits its turn behind them, or a large
         # sample would wait for good while smaller ones, arriving later, took every byte set free.
-        self._turns: collections.deque[object] = collections.deque()
+        self._turns: collections.deque[_Turn] = collections.deque()
         self._warned_throttle = False
 
     # -- in-flight limit -----------------------------------------------------------------------
@@ -125,7 +125,7 @@ class Flow:
     def _holds(self, holder: int | None) -> bool:
         return holder is not None and holder in self._holders
 
-    def _fits(self, nbytes: int, holder: int | None = None, turn: object = None) -> bool:
+    def _fits(self, nbytes: int, holder: int | None = None, turn: _Turn | None = None) -> bool:
         # One sample larger than the whole budget is still fetched: alone. A sample that holds
         # bytes and needs more (a source that reads several windows per sample) would wait on
         # samples that wait on it: the oldest such sample goes over the budget, so one always
@@ -136,8 +136,17 @@ class Flow:
             if holder == min(self._holders):
                 return True
         elif nbytes and self._turns and self._turns[0] is not turn:
-            return False
+            self._drop_abandoned()
+            if self._turns and self._turns[0] is not turn:
+                return False
         return self.bytes == 0 or self.bytes + nbytes <= self.max_bytes
+
+    def _drop_abandoned(self) -> None:
+        # A claim whose event loop was closed while it waited, without cancelling it (a loop a user's
+        # source ran and closed), never takes its turn nor leaves: the claims behind it would wait for good.
+        turns = self._turns
+        while turns and turns[0].loop is not None and turns[0].loop.is_closed():
+            turns.popleft()
 
     def _take(self, nbytes: int, holder: int | None = None) -> None:
         self.bytes += nbytes
@@ -148,14 +157,16 @@ class Flow:
         if holder is not None and nbytes:
             self._holders.add(holder)
 
-    def _queue(self, nbytes: int, holder: int | None, turn: object) -> object:
-        """``turn``, or a new place at the end of the queue for a new claim that did not fit."""
+    def _queue(self, nbytes: int, holder: int | None, turn: _Turn | None,
+               loop: asyncio.AbstractEventLoop | None = None) -> _Turn | None:
+        """``turn``, or a new place at the end of the queue for a new claim that did not fit (waiting
+        in ``loop``, or in a thread)."""
         if turn is None and nbytes and not self._holds(holder):
-            turn = object()
+            turn = _Turn(loop)
             self._turns.append(turn)
         return turn
 
-    def _leave(self, turn: object) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
+    def _leave(self, turn: _Turn | None) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
         """Take ``turn`` out of the queue; assumes you hold ``self._cond``. The claim after it may
         fit now: the waiters to wake are returned, to be woken without the lock (:func:`_wake_all`)."""
         if turn is None:
@@ -172,7 +183,8 @@ class Flow:
         """Wait until ``nbytes`` fit in the budget, then hold them. ``holder``: the number of the
         :class:`Ticket` that claims them, when it may already hold bytes. New claims are served
         in the order they came."""
-        turn = woken = None
+        turn: _Turn | None = None
+        woken = None
         with self._cond:
             try:
                 while not self._fits(nbytes, holder, turn):
@@ -185,14 +197,14 @@ class Flow:
 
     async def acquire_async(self, nbytes: int, holder: int | None = None) -> None:
         loop = asyncio.get_running_loop()
-        turn = None
+        turn: _Turn | None = None
         try:
             while True:
                 with self._cond:
                     if self._fits(nbytes, holder, turn):
                         self._take(nbytes, holder)
                         return
-                    turn = self._queue(nbytes, holder, turn)
+                    turn = self._queue(nbytes, holder, turn, loop)
                     waiter = loop.create_future()
                     self._waiters.append((loop, waiter))
                 try:
@@ -231,9 +243,22 @@ class Flow:
         _wake_all(waiters)
 
 
+class _Turn:
+    """A new claim's place in the queue of :class:`Flow`; ``loop``: the event loop it waits in
+    (``None``: a thread)."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+
+
 def _wake_all(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None) -> None:
     for loop, waiter in waiters or ():
-        loop.call_soon_threadsafe(_wake, waiter)
+        try:
+            loop.call_soon_threadsafe(_wake, waiter)
+        except RuntimeError:
+            pass  # its loop was closed with the claim waiting (see Flow._drop_abandoned): none to wake
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

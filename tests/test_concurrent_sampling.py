@@ -535,6 +535,29 @@ def test_a_large_claim_is_served_before_smaller_claims_that_came_after_it(mode):
     assert len(order) == 3 and len(flow._turns) == 1, (order, list(flow._turns))
 
 
+def test_a_claim_whose_event_loop_closed_while_it_waited_holds_up_no_later_claim():
+    # A claim waiting in an event loop closed without cancelling it (a user's sample_many that runs a
+    # loop of its own and closes it) never left the queue: every later claim waited for good behind
+    # it, and the next release raised "Event loop is closed" waking it.
+    import asyncio
+
+    from growcache._concurrent import Flow, Ticket
+
+    flow = Flow(16, 100)
+    held = Ticket(flow)
+    held.acquire(90)
+    loop = asyncio.new_event_loop()
+    waiting = loop.create_task(Ticket(flow).acquire_async(50))
+    loop.run_until_complete(asyncio.sleep(0.1))
+    loop.close()
+    assert not waiting.done() and len(flow._turns) == 1
+    held.release()
+    got = threading.Event()
+    threading.Thread(target=lambda: (Ticket(flow).acquire(50), got.set()), daemon=True).start()
+    assert got.wait(10), "a later claim got its bytes"
+    assert flow.bytes == 50 and not flow._turns
+
+
 # -- a live bucket: objects deleted or rewritten while the pool samples ---------------------------
 @pytest.mark.parametrize("kind", ["object", "window"])
 def test_an_object_deleted_from_s3_mid_run_is_passed_over_not_the_end_of_the_pool(tmp_path, s3, kind, capfd):
