@@ -438,13 +438,14 @@ class SamplerPool:
             a sample holds its slot until it is written; see docs/benchmarks.md).
         max_bytes_in_flight: bytes each worker may hold in samples being fetched or waiting
             for the shard writer (int or ``"64MiB"``); a sample larger than this is fetched
-            alone, and so is an object whose size the store does not tell, until its first
-            fetch tells it. Samples get their bytes in the order they ask: a large one is not
-            passed over by smaller ones asking after it. With large samples this, not
-            ``concurrency``, bounds the samples in flight: 64 of 1 MiB, 16 of 4 MiB. A source
-            that reads several times per sample (a user source drawing two windows) holds its
-            first reads while it waits: the oldest such sample goes over the bound, by its
-            later reads, so that one always finishes.
+            alone. An object whose size the store does not tell is claimed piece by piece as
+            it streams in (on an async filesystem; else as the whole budget, fetched alone),
+            until a fetch tells its size. Samples get their bytes in the order they ask: a
+            large one is not passed over by smaller ones asking after it. With large samples
+            this, not ``concurrency``, bounds the samples in flight: 64 of 1 MiB, 16 of 4 MiB.
+            A source that reads several times per sample (a user source drawing two windows,
+            an object streamed in pieces) holds its first reads while it waits: the oldest
+            such sample goes over the bound, by its later reads, so that one always finishes.
             Default: ``"64MiB"``.
 
     Raises:

@@ -171,13 +171,16 @@ class ObjectSource(StoreSource):
         while True:
             path, claimed = self._choose(rng), 0
             try:
-                claimed = await self._aclaim_object(await self._asize(path))
-                data = await self._afetch(path)
+                size = await self._asize(path)
+                data = await self._afetch_unsized(path) if size is None else None
+                if data is None:
+                    claimed = await self._aclaim_object(size)
+                    data = await self._afetch(path)
             except SourceError as exc:
                 if self._passes_over(path, exc, claimed):
                     continue
                 raise
-            self._settle(path, claimed, data)
+            self._settle(path, len(data) if size is None and not claimed else claimed, data)
             return self._decode(path, data)
 
     def _decode(self, path: str, data: bytes) -> Sample:

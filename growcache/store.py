@@ -366,6 +366,49 @@ class StoreSource(Source):
 
         return await self._aio(_Reading(start, end), lambda: self._url(path), read)
 
+    async def _afetch_unsized(self, path: str) -> bytes | None:
+        """A whole object whose size the store does not tell, read as it streams in, each piece
+        claimed in the byte budget before it is read: the samples in flight stay within
+        ``max_bytes_in_flight`` and such objects are still fetched many at a time (a claim of the
+        whole budget fetched each alone). ``None`` where the filesystem cannot stream."""
+        fs, ticket = self.fs, current_ticket()
+        if ticket is None or not hasattr(fs, "open_async"):
+            return None
+        flow = ticket.flow
+        piece = max(4096, min(1 << 20, flow.max_bytes // max(flow.concurrency, 1)))
+
+        async def read() -> bytes:
+            parts, held = [], 0
+            try:
+                # fsspec's http asks the size first unless given one (it is not told: any will do)
+                sized = {"size": 0} if self._protocol in ("http", "https") else {}
+                stream = await fs.open_async(path, "rb", **sized)
+                try:
+                    while True:
+                        await ticket.acquire_async(piece)
+                        held += piece
+                        data = await stream.read(piece)
+                        ticket.settle(piece, len(data))
+                        held += len(data) - piece
+                        if not data:
+                            break
+                        parts.append(data)
+                finally:
+                    await stream.close()
+            except BaseException:
+                ticket.give_back(held)  # a retry claims again
+                self._count(requests=1)
+                raise
+            self._count(requests=1, nbytes=held)
+            return b"".join(parts)
+
+        try:
+            return await self._aio(_Reading(None, None), lambda: self._url(path), read)
+        except SourceError as exc:
+            if isinstance(exc.__cause__, NotImplementedError):
+                return None
+            raise
+
     # -- the byte budget of a sampler's samples in flight -------------------------------------
     def _claim_bytes(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit in the sampler's bytes in flight, then hold them."""
@@ -429,9 +472,9 @@ class StoreSource(Source):
         told = int(size) if isinstance(size, int) and size >= 0 else -1
         if told < 0 and not self._unsized:
             self._unsized = True
-            logger.warning("%s does not tell its size: objects whose size the listing did not give are fetched "
-                           "alone the first time, so that the samples in flight stay within max_bytes_in_flight "
-                           "(then their size is known)", self._url(path))
+            logger.warning("%s does not tell its size: objects whose size the listing did not give are claimed "
+                           "piece by piece as they stream in, the first time, so that the samples in flight stay "
+                           "within max_bytes_in_flight (then their size is known)", self._url(path))
         self._sizes[path] = told
         return told
 

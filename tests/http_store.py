@@ -147,12 +147,13 @@ class FaultyHTTPStore:
             f.write(data)
         return f"{self.url}/{name}"
 
-    def peak_bytes_served_at_once(self) -> int:
-        """The most bytes of bodies sent whole (a request dropped before its end is not counted)
-        that were being sent at one time."""
+    def peak_served_at_once(self, *, bodies: bool = False) -> int:
+        """The most bytes (``bodies``: the most bodies) of bodies sent whole (a request dropped
+        before its end is not counted) that were being sent at one time."""
         with self._lock:
-            events = sorted([(b, n) for b, _, n in self.served] + [(e, -n) for _, e, n in self.served],
-                            key=lambda event: (event[0], event[1]))  # an end before a start at one time
+            served = [(b, e, 1 if bodies else n) for b, e, n in self.served]
+        events = sorted([(b, n) for b, _, n in served] + [(e, -n) for _, e, n in served],
+                        key=lambda event: (event[0], event[1]))  # an end before a start at one time
         peak = now = 0
         for _, change in events:
             now += change

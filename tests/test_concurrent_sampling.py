@@ -353,25 +353,37 @@ def test_bytes_in_flight_stay_under_the_bound_with_objects_of_mixed_sizes(tmp_pa
     assert http.peak_bytes_in_flight <= bound, f"the store saw {http.peak_bytes_in_flight} bytes in flight"
 
 
-def test_objects_whose_size_the_store_does_not_tell_stay_under_the_bound(tmp_path, http, caplog):
+def test_objects_whose_size_the_store_does_not_tell_stay_near_the_bound_and_come_many_at_a_time(tmp_path, http):
     # HEAD refused, bodies chunked: fsspec gives no size. Claimed as 0 bytes, such objects were all
-    # fetched at once, whatever max_bytes_in_flight: each is now fetched alone until its size is known.
+    # fetched at once, whatever max_bytes_in_flight; claimed as the whole budget, each first fetch
+    # came alone (about 9x slower over many objects). Each piece is now claimed as it streams in.
     rng = np.random.default_rng(1)
-    urls = [http.put(f"u{i}.bin", np.int64(i).tobytes() + rng.bytes(size - 8))
-            for i, size in enumerate([150_000, 250_000, 90_000, 200_000, 120_000, 60_000])]
+    sizes = [int(n) for n in rng.integers(10_000, 60_000, size=300)]
+    urls = [http.put(f"u{i}.bin", np.int64(i).tobytes() + rng.bytes(size - 8)) for i, size in enumerate(sizes)]
     http.hide_sizes = True
     http.latency = 0.05
-    bound = 300_000
+    bound = 200_000
     source = ObjectSource(urls, decoder=first_word, retry=QUICK)
     cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=32, count=120,
                                max_bytes_in_flight=bound)
     assert http.statuses.get(405), "the store was asked for sizes, and told none"
-    assert 0 < stats.peak_bytes_in_flight <= bound
-    assert http.peak_in_flight > 2, "requests were in flight together once the sizes were known"
-    peak = http.peak_bytes_served_at_once()
-    assert 0 < peak <= bound, f"the store sent {peak} bytes at once"
+    # The oldest sample holding bytes may go over by the rest of its object, so that one finishes.
+    assert 0 < stats.peak_bytes_in_flight <= bound + max(sizes)
+    together = http.peak_served_at_once(bodies=True)
+    assert together >= 12, f"only {together} objects of unknown size were fetched at once (32 in flight)"
     http.latency = 0
     assert _records(cache) == _expected(source, 11, 120)
+
+
+def test_a_stream_of_unknown_size_that_fails_is_retried_with_its_pieces_given_back(tmp_path, http):
+    urls = [http.put(f"u{i}.bin", np.int64(i).tobytes() + bytes(40_000)) for i in range(3)]
+    http.hide_sizes = True
+    http.fail_next = [None, 503, 503]  # the size probe answers; the next two reads fail for a while
+    source = ObjectSource(urls, decoder=first_word, retry=QUICK)
+    cache, stats = _sample_all(tmp_path, "c", source, workers=1, concurrency=4, count=30, max_bytes_in_flight=50_000)
+    assert http.statuses.get(503) == 2
+    assert _records(cache) == _expected(source, 11, 30)
+    assert stats.peak_bytes_in_flight <= 50_000 + 40_008, "the failed reads' pieces were given back"
 
 
 @pytest.mark.parametrize("engine", ["event loop", "threads"])
