@@ -53,7 +53,7 @@ from .records import (
     masked_crc32c,
 )
 from .schema import Schema
-from .store import StoreSource
+from .store import StoreSource, _sized
 from .tensor_proto import parse_tensor
 from .writer import discard_temporary, temp_shard_name
 
@@ -127,7 +127,7 @@ class TFRecordFiles(StoreSource):
     def size(self, path: str) -> int:
         """The size of ``path`` in the store."""
         fs = self.fs
-        return int(self._io("reading the size of", self._url(path), lambda: fs.size(path)))
+        return int(self._io("reading the size of", self._url(path), lambda: _sized(lambda: fs.size(path))))
 
     def chunks(self, path: str, start: int = 0, size: int | None = None) -> Iterator[bytes]:
         """The raw bytes of ``path`` from ``start`` on, one read request (with retries) per chunk."""

@@ -83,6 +83,7 @@ from .errors import CacheFormatError, CompressedFileError, CorruptShardError, Gr
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _inflate, _record_limit, _skip, copy_records, iter_frames
 from .records import detect_compression
+from .store import _sized
 from .writer import discard_temporary
 
 if TYPE_CHECKING:
@@ -507,7 +508,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         with contextlib.suppress(Exception):
             fs.invalidate_cache(path)
         try:
-            info = self._io("reading the details of", self._url(path), lambda: fs.info(path))
+            info = self._io("reading the details of", self._url(path), lambda: _sized(lambda: fs.info(path)))
         except SourceError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None

@@ -712,7 +712,8 @@ def _not_found(exc: FileNotFoundError) -> BaseException:
 
 
 def _sized(size: Callable[[], Any]) -> Any:
-    """``size()``, a size request of a sync filesystem; the error to retry where it is one (:func:`_not_found`)."""
+    """``size()``, a size or details request of a sync filesystem; the error to retry where it is
+    one (:func:`_not_found`)."""
     try:
         return size()
     except FileNotFoundError as exc:

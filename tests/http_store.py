@@ -59,6 +59,7 @@ class FaultyHTTPStore:
     taken meanwhile by a test that another pytest worker runs.
         hide_sizes: tell no object's size: HEAD is refused (405) and a GET's body comes chunked,
             without Content-Length, as some dynamic servers send it.
+        fail_heads: statuses the next HEADs get, one each (``fail_next`` is for GETs).
     """
 
     def __init__(self, root: str) -> None:
@@ -72,6 +73,7 @@ class FaultyHTTPStore:
         self.fail_paths: dict[str, int] = {}
         self.hang_next = 0
         self.hide_sizes = False
+        self.fail_heads: list[int] = []
         self.served: list[tuple[float, float, int]] = []  # (began, ended, bytes) of each body sent whole
         self.requests = 0
         self.in_flight = 0
@@ -185,9 +187,11 @@ class FaultyHTTPStore:
         from aiohttp import web
 
         path = os.path.join(self.root, request.match_info["name"])
-        if request.method == "HEAD" and self.hide_sizes:
-            self._count(405)
-            return web.Response(status=405)
+        if request.method == "HEAD" and (self.hide_sizes or self.fail_heads):
+            with self._lock:
+                status = self.fail_heads.pop(0) if self.fail_heads else 405
+            self._count(status)
+            return web.Response(status=status)
         if request.method == "HEAD" or not os.path.isfile(path):
             self._count(200 if os.path.isfile(path) else 404)
             return web.FileResponse(path) if os.path.isfile(path) else web.Response(status=404)

@@ -293,3 +293,27 @@ def test_a_stopped_worker_exits_without_waiting_for_a_hung_read_of_a_local_shard
                           timeout=40)
     assert done.stdout.strip() == "stopped", done.stderr
     assert time.monotonic() - began < 30, "the process waited for the hung reads to return"
+
+
+def test_a_details_request_failing_for_a_passing_reason_is_retried_not_taken_for_a_gone_shard(tmp_path, http_store):
+    # fsspec's http asks an object's details by HEAD, then by GET, and raises FileNotFoundError for
+    # whatever made the GET fail: a 503 on both took a shard for deleted from the store, and the
+    # fetch passed it over.
+    url = http_store.put("shard-0", framed(_records(0)))
+    cache = Cache(tmp_path / "cache", capacity="64MB", schema=SCHEMA)
+    source = TFRecordShardSource(url, chunk_bytes=PART, retry=RetryPolicy(attempts=4, initial_delay=0.05,
+                                                                        max_delay=0.2, deadline=10))
+    source.check()  # the listing (the first HEAD answers)
+    http_store.fail_heads, http_store.fail_next = [503], [503]  # the fetch's details request: HEAD, then GET
+    (shard,) = _fetch(source, cache, concurrency=1)
+    assert shard.records == RECORDS and _cached(cache) == _records(0)
+    assert http_store.statuses.get(503) == 2
+
+
+def test_a_size_request_of_an_import_failing_for_a_passing_reason_is_retried(tmp_path, http_store):
+    data = framed(_records(0))
+    url = http_store.put("shard-0", data)
+    source = TFRecordShardSource(url, retry=RetryPolicy(attempts=4, initial_delay=0.05, max_delay=0.2, deadline=10))
+    http_store.fail_heads, http_store.fail_next = [503], [503]
+    assert source.size(source.paths()[0]) == len(data)  # `growcache import` sizes each file so
+    assert http_store.statuses.get(503) == 2
