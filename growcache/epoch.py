@@ -111,7 +111,7 @@ _POLL_S = 0.05
 DEFAULT_MAX_OPEN = 4
 #: A lease trim (Epoch.consume) is followed by at least this many times its own duration without one.
 _TRIM_SPACING = 50.0
-#: Batches taken out of order whose readers an epoch remembers (see Epoch.resumable).
+#: Batches taken out of order whose readers an epoch remembers (see Epoch.delivered).
 _RECENT = 16
 
 
@@ -1004,14 +1004,6 @@ class Epoch:
         for reader in list(self._recent)[len(self._recent) - back:]:
             delivered[reader] -= 1
         return delivered
-
-    def resumable(self, consumed: int | None = None) -> int:
-        """The batches a resume from this epoch takes as delivered, after ``consumed`` batches
-        taken (default and most: :attr:`consumed`): ``consumed`` itself, or where the count per
-        reader began (see :meth:`delivered`)."""
-        taken = self.consumed if consumed is None else min(int(consumed), self.consumed)
-        delivered = self.delivered(taken)
-        return taken if delivered is None else sum(delivered)
 
     def _left_indices(self, consumed: int) -> set[int]:
         delivered = self.delivered(consumed)

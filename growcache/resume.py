@@ -220,8 +220,11 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
                              # before the process group exists: a state between epochs needs no plan.
                              "plan": {**_plan_params(epochs), "reader": reader} if epochs._group is not None else None,
                              "snapshot": None, "progress": 0, "pin": None}
-    taken = 0 if latest is None else latest.resumable(consumed)
     asked = 0 if latest is None else latest.consumed if consumed is None else min(int(consumed), latest.consumed)
+    # Counted per reader, a resume takes what the readers' counts add up to (less than asked only
+    # where a reader was unknown): each reader resumes after its own batches.
+    delivered = None if latest is None else latest.delivered(asked)
+    taken = asked if delivered is None else sum(delivered)
     if taken < asked and not latest.ended and not latest._order_noted:
         latest._order_noted = True  # once per epoch: a trainer saves often
         logger.warning("epoch %d: batches taken out of order (DataLoader in_order=False) whose readers are not all "
@@ -244,7 +247,6 @@ def loader_state(epochs: Epochs, latest: Epoch | None, *, reader: str = "growcac
     state.update(epoch=latest.number, seed=latest.seed, progress=int(taken),
                  snapshot={"shards": [list(s) for s in shards], "skipped": skipped},
                  pin=None if latest.pin is None else {"name": latest.pin.name, "until": latest.pin.until})
-    delivered = latest.delivered(asked)  # adds up to taken
     if delivered is not None and delivered != round_robin_progress(latest.read_points().counts, taken)[0]:
         # Taken out of order: each reader resumes after its own batches (version 1 cannot say so).
         state.update(version=2, delivered=[int(d) for d in delivered])

@@ -176,11 +176,13 @@ class ObjectSource(StoreSource):
                 if data is None:
                     claimed = await self._aclaim_object(size)
                     data = await self._afetch(path)
+                else:
+                    claimed = len(data)  # held piece by piece as it streamed in
             except SourceError as exc:
                 if self._passes_over(path, exc, claimed):
                     continue
                 raise
-            self._settle(path, len(data) if size is None and not claimed else claimed, data)
+            self._settle(path, claimed, data)
             return self._decode(path, data)
 
     def _decode(self, path: str, data: bytes) -> Sample:

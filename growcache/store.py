@@ -481,19 +481,13 @@ class StoreSource(Source):
     def _claim_object(self, size: int | None) -> int:
         """Claim a whole object's bytes in the byte budget (all of it where its size is unknown: the
         object is then fetched alone). Returns the bytes claimed, for :meth:`_settle`."""
-        ticket = current_ticket()
-        if ticket is None:
-            return 0
-        nbytes = ticket.flow.max_bytes if size is None else size
-        ticket.acquire(nbytes)
+        nbytes = _object_claim(size)
+        self._claim_bytes(nbytes)
         return nbytes
 
     async def _aclaim_object(self, size: int | None) -> int:
-        ticket = current_ticket()
-        if ticket is None:
-            return 0
-        nbytes = ticket.flow.max_bytes if size is None else size
-        await ticket.acquire_async(nbytes)
+        nbytes = _object_claim(size)
+        await self._aclaim_bytes(nbytes)
         return nbytes
 
     def _settle(self, path: str, claimed: int, data: bytes) -> None:
@@ -698,6 +692,15 @@ def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: Re
             client.setdefault("timeout", timeout)
             options["client_kwargs"] = client
     return options
+
+
+def _object_claim(size: int | None) -> int:
+    """Bytes a sample claims for a whole object of ``size`` (``None``: unknown, the whole budget);
+    none outside a sampler."""
+    ticket = current_ticket()
+    if ticket is None:
+        return 0
+    return ticket.flow.max_bytes if size is None else size
 
 
 def _not_found(exc: FileNotFoundError) -> BaseException:
