@@ -161,7 +161,10 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     # The pool starts once the first trainer is ready (framework imported, loader built), so
     # its first epoch sees the first shards and the table shows the cache growing from there.
-    pool = SamplerPool(cache, DemoSample(source, args.store_mbps), workers=args.workers,
+    # concurrency=1: DemoSample stands for a store with a per-worker bandwidth cap, one draw at a
+    # time by design (its rate clock is not thread-safe); the default would only log the advice
+    # to declare it thread-safe, which is aimed at users' sources, not at the demo's own.
+    pool = SamplerPool(cache, DemoSample(source, args.store_mbps), workers=args.workers, concurrency=1,
                        shard_size=args.shard_size, max_shard_age=1.0, seed=0)
     child = None
     try:
