@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,6 +295,25 @@ class Ticket:
         self.nbytes -= nbytes
         self.flow.release(nbytes, None if self.nbytes else self.number)
 
+    def share_with(self, tickets: list[Ticket], weights: list[int]) -> None:
+        """Hand the bytes held to ``tickets`` (this one among them) in proportion to ``weights``
+        (equal shares if they are all 0): the reads of a whole ``sample_many`` batch claimed on its
+        first ticket, and each sample of it holds its part until it is written."""
+        if not self.nbytes:
+            return
+        total, parts = sum(weights), len(tickets)
+        with self.flow._cond:
+            held, given = self.nbytes, 0
+            for n, ticket in enumerate(tickets):
+                share = held - given if n == parts - 1 else (
+                    held * weights[n] // total if total else held // parts)
+                given += share
+                ticket.nbytes = share
+                if share:
+                    self.flow._holders.add(ticket.number)
+            if not self.nbytes:
+                self.flow._holders.discard(self.number)
+
     def settle(self, claimed: int, nbytes: int) -> None:
         """A read that claimed ``claimed`` bytes gave ``nbytes``: hold what it gave (the claim of an
         object of unknown size was the whole budget; a listed size can be out of date)."""
@@ -504,6 +523,9 @@ class BatchEngine(Engine):
                                      "it must return one sample per RNG, in their order")
                 for task, result in zip(batch, results):
                     task.result = result
+                # The batch's reads claimed their bytes on its first ticket, which the first sample
+                # written would have let go for all: each sample now holds its own part.
+                batch[0].ticket.share_with([t.ticket for t in batch], [_payload_bytes(r) for r in results])
             except BaseException as exc:  # noqa: BLE001 - handed to the sampler, which reports it
                 for task in batch:
                     task.error = exc
@@ -512,6 +534,12 @@ class BatchEngine(Engine):
 
     def close(self) -> None:
         self._todo.put(None)
+
+
+def _payload_bytes(sample: Any) -> int:
+    """The bytes of a sample's arrays (0 for what is not an array)."""
+    values = sample.values() if isinstance(sample, Mapping) else ()
+    return sum(int(getattr(value, "nbytes", 0)) for value in values)
 
 
 def _ours(fn: Any) -> bool:

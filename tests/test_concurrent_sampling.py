@@ -8,6 +8,7 @@ per-sample RNGs, so every comparison is against what the seed says, not against 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ from http_store import FaultyHTTPStore, wait_until as _wait
 from stores import SilentServer, s3, s3_server  # noqa: F401
 
 from growcache import Cache, Schema
+from growcache._concurrent import BatchEngine, Flow, Task, Ticket, current_ticket
 from growcache.errors import SamplerError
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
@@ -228,19 +230,26 @@ _busy = [0, 0]  # calls inside now, most seen at once
 _busy_lock = threading.Lock()
 
 
-def counting_sample(rng):
-    """Records in each sample how many calls ran at once (per process)."""
+@contextlib.contextmanager
+def _counted():
+    """Counts a call as running for its duration (the most seen at once: ``_busy[1]``)."""
     with _busy_lock:
         _busy[0] += 1
         _busy[1] = max(_busy[1], _busy[0])
     try:
+        yield
+    finally:
+        with _busy_lock:
+            _busy[0] -= 1
+
+
+def counting_sample(rng):
+    """Records in each sample how many calls ran at once (per process)."""
+    with _counted():
         time.sleep(0.005)
         x = rng.integers(0, 1000, size=(WINDOW, 4))
         x[0, 0] = _busy[1]
         return {"x": x}
-    finally:
-        with _busy_lock:
-            _busy[0] -= 1
 
 
 @pytest.mark.parametrize("thread_safe", [False, True])
@@ -285,17 +294,11 @@ class MarkedWindows(NpyWindowSource):
     marks each window with how many of its calls ran at once (most seen, this process)."""
 
     def sample(self, rng):
-        with _busy_lock:
-            _busy[0] += 1
-            _busy[1] = max(_busy[1], _busy[0])
-        try:
+        with _counted():
             time.sleep(0.002)
             x = super().sample(rng)["x"].copy()
             x[0, 0] = -_busy[1]
             return {"x": x}
-        finally:
-            with _busy_lock:
-                _busy[0] -= 1
 
 
 @pytest.mark.parametrize("store", ["file", "http"])
@@ -328,6 +331,86 @@ def test_a_user_source_with_sample_async_gets_the_same_records(tmp_path):
     cache, _ = _sample_all(tmp_path, "c", source, workers=2, concurrency=16, count=100)
     want = sorted(asyncio.run(source.sample_async(sample_rng(11, i, 0)))["x"].tobytes() for i in range(100))
     assert _records(cache) == want
+
+
+class BatchUserSource(Source):
+    """A user source with ``sample_many`` (module level, so that it pickles): each sample is marked
+    with the size of the batch it came in and with the most calls seen running at once."""
+
+    def sample_many(self, rngs):
+        with _counted():
+            time.sleep(0.01)
+            out = []
+            for rng in rngs:
+                x = rng.integers(0, 1000, size=(WINDOW, 4))
+                x[0, 0], x[0, 1] = len(rngs), _busy[1]
+                out.append({"x": x})
+            return out
+
+
+class ShortBatchSource(Source):
+    def sample_many(self, rngs):
+        return [{"x": rng.integers(0, 1000, size=(WINDOW, 4))} for rng in rngs[1:]]
+
+
+def test_a_user_source_with_sample_many_gets_batches_one_call_at_a_time_and_the_same_records(tmp_path):
+    cache, _ = _sample_all(tmp_path, "c", BatchUserSource(), workers=2, concurrency=16, count=200)
+    got = [np.frombuffer(r, dtype=np.int64).reshape(WINDOW, 4) for r in _records(cache)]
+    assert len(got) == 200
+    assert max(int(x[0, 0]) for x in got) > 1, "samples waiting together are handed over in one call"
+    assert max(int(x[0, 1]) for x in got) == 1, "sample_many is never called while another call runs"
+    # Which records: each RNG's own draws, whatever batch it came in.
+    want = sorted(tuple(sample_rng(11, i, 0).integers(0, 1000, size=(WINDOW, 4)).ravel()[2:]) for i in range(200))
+    assert sorted(tuple(x.ravel()[2:]) for x in got) == want
+
+
+def test_a_sample_many_returning_too_few_samples_stops_the_pool_saying_so(tmp_path):
+    cache = Cache(tmp_path / "c", capacity="64MB", schema=SCHEMA)
+    with pytest.raises(SamplerError, match=r"sample_many was given (\d+) RNGs and returned \d+ samples; it must "
+                                           "return one sample per RNG"):
+        with SamplerPool(cache, ShortBatchSource(), workers=1, concurrency=4, stop_after=20, seed=1,
+                         shard_size="4KB", max_shard_age=0.5) as pool:
+            pool.join(timeout=60)
+
+
+class ClaimingBatches:
+    """A ``sample_many`` whose reads claim bytes on the ticket its thread's context names, as a store
+    source's do; its first call (a gate) waits until the test lets it go."""
+
+    def __init__(self):
+        self.gate_entered, self.open_gate = threading.Event(), threading.Event()
+
+    def sample_many(self, rngs):
+        if not self.gate_entered.is_set():
+            self.gate_entered.set()
+            self.open_gate.wait(10)
+            return [{"x": np.zeros(0, np.uint8)} for _ in rngs]
+        current_ticket().acquire(100 * len(rngs))
+        return [{"x": np.zeros(n + 1, np.uint8)} for n in range(len(rngs))]  # payloads of 1, 2, 3, 4 bytes
+
+
+def test_each_sample_of_a_sample_many_batch_holds_its_own_bytes_until_written():
+    # A batch's reads claim their bytes on its first ticket: written first, that sample let go of
+    # the whole batch's bytes while the others still waited for the writer, so new claims could
+    # take the budget a second time over.
+    flow, source = Flow(4, 10_000), ClaimingBatches()
+    engine = BatchEngine(source, 4)
+    engine.submit(Task(-1, sample_rng(0, 99, 0), 9, Ticket(flow)))
+    assert source.gate_entered.wait(10)
+    tasks = [Task(i, sample_rng(0, i, 0), i, Ticket(flow)) for i in range(4)]
+    for task in tasks:  # queued while the gate's call runs: the next call takes all four at once
+        engine.submit(task)
+    source.open_gate.set()
+    done = [engine.done.get(timeout=10) for _ in range(5)]
+    engine.close()
+    assert sorted(len(t.result["x"]) for t in done if t.index >= 0) == [1, 2, 3, 4]
+    assert flow.bytes == 400
+    assert [t.ticket.nbytes for t in tasks] == [40, 80, 120, 160], "each holds a part, by its payload's size"
+    tasks[0].ticket.release()
+    assert flow.bytes == 360, "the first sample written lets go of its own part only"
+    for task in tasks[1:]:
+        task.ticket.release()
+    assert flow.bytes == 0 and not flow._holders
 
 
 # -- memory: bytes in flight -----------------------------------------------------------------------
