@@ -292,6 +292,43 @@ def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) 
                          "lower --shard-size or raise --capacity")
 
 
+def _parse_shape(text: Any) -> Any:
+    """``--shape 256,256`` (or ``256x256``) as a tuple; anything but positive whole numbers is a usage error."""
+    if not isinstance(text, str):
+        return text
+    try:
+        shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ValueError(f"--shape {text!r} is not a shape: write positive whole numbers separated by commas, "
+                         "e.g. --shape 256,256")
+    return shape
+
+
+def _check_record_fits(cache: Any, shard_size: int | None) -> None:
+    """A usage error, in the command's flags, when one record of the cache's schema cannot fit in a shard."""
+    from .example import ExampleCodec
+    from .records import FOOTER_BYTES, HEADER_BYTES
+    from .sampler import DEFAULT_SHARD_SIZE
+
+    frame = ExampleCodec(cache.schema).record_nbytes + HEADER_BYTES + FOOTER_BYTES
+    if shard_size is not None:
+        if frame > shard_size:
+            raise ValueError(f"--shard-size {shard_size} is smaller than one record ({format_size(frame)}): raise "
+                             f"--shard-size to at least {frame} (a few percent of the capacity is typical)")
+        return
+    size = min(DEFAULT_SHARD_SIZE, max(1, cache.capacity // 4))  # SamplerPool's default shard size
+    if frame > size:
+        # The capacity may be one a failed earlier run stored: say where it comes from.
+        raise ValueError(
+            f"cache {cache.path} has a capacity of {format_size(cache.capacity)}, and its shards (a quarter of it, "
+            f"{format_size(size)}) cannot hold one record ({format_size(frame)}): raise --capacity to at least "
+            f"{format_size(4 * frame)} (the cache keeps the new capacity), or give --shard-size between "
+            f"{format_size(frame)} and the capacity"
+        )
+
+
 def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="fsspec URL or glob of the objects, e.g. s3://bucket/arrays/*.npy "
                                   "(with --tfrecord: of TFRecord files, e.g. gs://bucket/train-*)")
@@ -491,11 +528,16 @@ def run_sample_command(args: Any) -> int:
 
     # ValueErrors here are usage errors: the CLI reports them and exits 2.
     tfrecord = _check_source_flags(args)
-    shape = getattr(args, "shape", None)
-    if isinstance(shape, str):
-        shape = tuple(int(d) for d in shape.replace("x", ",").split(",") if d.strip())
-    if (getattr(args, "dtype", None) is None) != (shape is None):
+    shape = _parse_shape(getattr(args, "shape", None))
+    dtype = getattr(args, "dtype", None)
+    if (dtype is None) != (shape is None):
         raise ValueError("--dtype and --shape go together: raw objects need both; .npy objects need neither")
+    if dtype is not None:
+        try:
+            np.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"--dtype {dtype!r} is not a dtype numpy knows: write one such as float32, uint8, "
+                             "int64 or <f4") from None
     workers = getattr(args, "workers", 1)
     if workers is None or workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
@@ -513,6 +555,7 @@ def run_sample_command(args: Any) -> int:
     else:
         source, cache = _open_sample_source(args, options, shape, seed)
     _check_shard_size(shard_size, cache.capacity)
+    _check_record_fits(cache, shard_size)
     concurrency = getattr(args, "concurrency", None)
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"--concurrency must be at least 1, got {concurrency}")

@@ -277,3 +277,35 @@ def test_a_source_of_another_shape_is_one_error_with_a_cli_hint(tmp_path):
     assert len(lines) == 1, result.stderr
     assert "feature 'x': the cache stores dtype int32 shape (4, 3), the source gives dtype int32 shape (8, 3)" in lines[0]
     assert "--window 4" in lines[0] and "astype" not in lines[0]
+
+
+def test_a_dtype_numpy_does_not_know_is_a_usage_error_not_a_traceback(tmp_path, capsys):
+    # np.dtype("floot32") raised a TypeError, which main() let through: a traceback, exit 1.
+    remote = tmp_path / "raw"
+    remote.mkdir()
+    (remote / "a.bin").write_bytes(bytes(32))
+    assert main(["sample", f"file://{remote}/*.bin", str(tmp_path / "c"), "--dtype", "floot32", "--shape", "8",
+                 "--records", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "'floot32'" in err and "float32" in err and "Traceback" not in err, err
+    for shape in ("3,a", "0", ",", "-2"):
+        assert main(["sample", f"file://{remote}/*.bin", str(tmp_path / "c"), "--dtype", "uint8", "--shape", shape,
+                     "--records", "1", "-q"]) == 2, shape
+        assert "--shape" in capsys.readouterr().err
+
+
+def test_a_budget_too_small_for_one_record_names_the_capacity_flag(tmp_path, capsys):
+    # A record of 64 rows x 3 int32 is about 0.8 kB; a 1KB budget gives default shards of a quarter
+    # of it. The error said "shard_size=250 B is smaller than one record: raise shard_size", a flag
+    # the user never gave, and the budget it came from, stored by that first run, kept failing
+    # later runs without --capacity the same way.
+    store = _store(tmp_path)
+    cache_dir = str(tmp_path / "c")
+    for flags in (["--capacity", "1KB"], []):
+        assert main(["sample", store, cache_dir, "--window", "64", "--records", "1", "-q", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert "--capacity" in err and "1.0 KB" in err and "raise shard_size" not in err, err
+    assert main(["sample", store, cache_dir, "--window", "64", "--records", "1", "-q", "--shard-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--shard-size 100" in err and "smaller than one record" in err, err
+    assert main(["sample", store, cache_dir, "--window", "64", "--records", "1", "-q", "--capacity", "1MB"]) == 0
