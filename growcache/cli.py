@@ -663,7 +663,7 @@ def _max_record_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .importer import import_files, parse_schema
+    from .importer import ImportReport, import_files, parse_schema
 
     try:  # bad flags are usage errors, exit 2
         options = parse_storage_options(args.storage_option)
@@ -681,18 +681,40 @@ def _cmd_import(args: argparse.Namespace) -> int:
                 copied[1] = copied[0]
                 progress.update(copied[0])
 
-        report = import_files(args.sources, args.cache, schema=schema, capacity=args.capacity, storage_options=options,
-                              max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
-                              max_record_bytes=args.max_record, progress=on_bytes)
+        report = ImportReport()  # filled in as the import goes: a Ctrl-C still tells what was imported
+        interrupted = False
+        try:
+            import_files(args.sources, args.cache, schema=schema, capacity=args.capacity, storage_options=options,
+                         max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
+                         max_record_bytes=args.max_record, progress=on_bytes, report=report)
+        except KeyboardInterrupt:
+            interrupted = True
         progress.update(copied[0])
     for path, reason in report.refused:
         print(f"REFUSED {path}: {reason}")
     if report.stopped is not None:
         print(f"STOPPED: {report.stopped}")
-    print(f"imported {report.files} files: {report.records} records in {report.shards} shards "
-          f"({format_size(report.bytes)}); {len(report.refused)} refused"
-          f"{'; stopped early' if report.stopped else ''}; schema {report.schema!r}")
-    return 1 if report.refused or report.stopped else 0
+    left = report.left if interrupted or report.stopped is not None else []
+    for path in left:  # import these, and only these, to finish: a file imported twice has its records twice
+        print(f"NOT IMPORTED {path}")
+    held = ""
+    if os.path.exists(os.path.join(args.cache, "growcache.json")):
+        from .cache import Cache
+
+        cs = Cache(args.cache).stats()
+        held = (f"; the cache holds {cs.records} records in {cs.shards} shards ({format_size(cs.bytes)} of "
+                f"{format_size(cs.capacity)})")
+        if report.evicted:
+            held += f", {report.evicted} shards ({report.evicted_records} records) evicted to keep the budget"
+            logger.warning("cache %s evicted %d shards (%d records) during the import to stay within its budget of "
+                           "%s: the oldest went, files imported in this run among them. To keep a whole dataset, "
+                           "give the cache room for it (--capacity)", args.cache, report.evicted,
+                           report.evicted_records, format_size(cs.capacity))
+    print(f"{'interrupted (Ctrl-C): ' if interrupted else ''}imported {report.files} files: {report.records} records "
+          f"in {report.shards} shards ({format_size(report.bytes)}); {len(report.refused)} refused"
+          f"{'; stopped early' if report.stopped else ''}"
+          f"{f'; {len(left)} not imported' if left else ''}{held}; schema {report.schema!r}")
+    return 1 if report.refused or report.stopped or interrupted else 0
 
 
 def _schema_arguments(p: argparse.ArgumentParser) -> None:

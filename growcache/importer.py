@@ -575,6 +575,11 @@ class ImportReport:
         schema: the cache's schema (inferred from the first readable file if the cache had none).
         stopped: why the import stopped before its last file (the disk is full, the store
             is unreachable), or ``None``: files after that point were not tried.
+        left: files neither imported nor refused: those after the point where it stopped,
+            or was interrupted. Importing them, and only them, finishes the import.
+        evicted: shards the cache evicted while the import ran, to stay within its budget
+            (files imported earlier in the same run among them).
+        evicted_records: the records of those shards.
     """
 
     files: int = 0
@@ -584,6 +589,13 @@ class ImportReport:
     refused: list[tuple[str, str]] = field(default_factory=list)
     schema: Schema | None = None
     stopped: str | None = None
+    evicted: int = 0
+    evicted_records: int = 0
+    _left: dict[str, None] = field(default_factory=dict, repr=False)  # ordered; a file leaves it in O(1)
+
+    @property
+    def left(self) -> list[str]:
+        return list(self._left)
 
 
 def import_files(
@@ -598,6 +610,7 @@ def import_files(
     max_record_bytes: int | str | None = None,
     progress: Callable[[int], None] | None = None,
     on_file: Callable[[str, int], None] | None = None,
+    report: ImportReport | None = None,
 ) -> ImportReport:
     """Import TFRecord files (plain, GZIP or ZLIB) into a cache, each record checked.
 
@@ -622,6 +635,9 @@ def import_files(
             allows is the limit.
         progress: called with each chunk of bytes copied (for a progress bar).
         on_file: called with ``(file, records)`` as each file is published.
+        report: the :class:`ImportReport` to fill in as the import goes. Default: a new one.
+            A caller interrupted (``KeyboardInterrupt``) still reads in it what was imported,
+            and which files are ``left``.
 
     Returns:
         An :class:`ImportReport`: what was imported, each file skipped and why, and why the
@@ -639,7 +655,28 @@ def import_files(
         cache = Cache(cache, capacity=capacity, schema=schema)
     elif schema is not None or capacity is not None:
         cache = Cache(cache.path, capacity=capacity, schema=schema)
-    report = ImportReport(schema=cache.schema)
+    report = ImportReport() if report is None else report
+    report.schema = cache.schema
+    report._left = dict.fromkeys(files._url(path) for path in paths)
+    known = {shard.seq: shard.records for shard in cache.list_shards()}  # and every shard this import publishes
+    try:
+        return _import_paths(files, paths, cache, report, known, max_shard_records=max_shard_records,
+                             max_shard_bytes=max_shard_bytes, max_record_bytes=max_record_bytes, progress=progress,
+                             on_file=on_file)
+    finally:
+        held = {shard.seq for shard in cache.list_shards()}
+        gone = [records for seq, records in known.items() if seq not in held]
+        report.evicted, report.evicted_records = len(gone), sum(gone)
+
+
+def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: ImportReport, known: dict[int, int],
+                  *, max_shard_records: int | None, max_shard_bytes: int | str | None,
+                  max_record_bytes: int | str | None, progress: Callable[[int], None] | None,
+                  on_file: Callable[[str, int], None] | None) -> ImportReport:
+    """:func:`import_files` once the files are listed and the cache is open; adds the shards it
+    publishes to ``known`` (sequence number -> records)."""
+    from .cache import Cache
+
     infer_limit = _record_limit(max_record_bytes)
     skipped: set[str] = set()
     if cache.schema is None:
@@ -701,6 +738,8 @@ def import_files(
         except BaseException:  # Ctrl-C: nothing of this file stays behind
             _discard(pieces)
             raise
+        report._left.pop(url, None)
+        known.update((p.seq, p.records) for p in published)
         report.files += 1
         report.shards += len(published)
         report.records += sum(p.records for p in published)
@@ -738,6 +777,7 @@ def _in_cache(files: TFRecordFiles, path: str, cache: Any) -> bool:
 
 def _skip_file(report: ImportReport, url: str, exc: BaseException) -> None:
     reason = _file_problem(exc)
+    report._left.pop(url, None)
     report.refused.append((url, reason))
     logger.warning("skipped %s: %s", url, reason)
 

@@ -60,6 +60,7 @@ class FaultyHTTPStore:
         hide_sizes: tell no object's size: HEAD is refused (405) and a GET's body comes chunked,
             without Content-Length, as some dynamic servers send it.
         fail_heads: statuses the next HEADs get, one each (``fail_next`` is for GETs).
+        hang_paths: URL paths whose GETs get no answer at all (until the server closes).
     """
 
     def __init__(self, root: str) -> None:
@@ -72,6 +73,7 @@ class FaultyHTTPStore:
         self.fail_next: list[int] = []
         self.fail_paths: dict[str, int] = {}
         self.hang_next = 0
+        self.hang_paths: set[str] = set()
         self.hide_sizes = False
         self.fail_heads: list[int] = []
         self.served: list[tuple[float, float, int]] = []  # (began, ended, bytes) of each body sent whole
@@ -206,6 +208,7 @@ class FaultyHTTPStore:
             hang = self.hang_next > 0 and fail is None
             if hang:
                 self.hang_next -= 1
+            hang = hang or request.path in self.hang_paths
         began = time.monotonic()
         try:
             if hang:

@@ -1,0 +1,76 @@
+"""``growcache import`` as a user runs it: the real console script on TFRecord files, local and on a
+store, and what it tells when the budget, a Ctrl-C or a second command gets in the way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ctrl_c_on_exit_or_kill
+from http_store import FaultyHTTPStore, wait_until
+from tfrecords import framed, labelled
+
+from growcache import Cache
+from growcache.cli import main
+from growcache.shard import TMP_PREFIX
+
+SCHEMA = "{'label': ('int64', (), 'int64_list'), 'x': ('uint8', (64,))}"
+
+
+def _exe() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "growcache")
+
+
+def _files(directory, count: int, records: int = 5) -> list[str]:
+    directory.mkdir(exist_ok=True)
+    paths = []
+    for k in range(count):
+        path = directory / f"train-{k}.tfrecord"
+        path.write_bytes(framed([labelled(k, i) for i in range(records)]))
+        paths.append(str(path))
+    return paths
+
+
+def _shards(cache_dir: str) -> int:
+    return len(Cache(cache_dir).list_shards()) if os.path.exists(os.path.join(cache_dir, "growcache.json")) else 0
+
+
+def test_an_import_past_the_budget_says_what_the_cache_still_holds(tmp_path, capsys, caplog):
+    # Three 520-byte files into a 1200-byte budget: publishing the third evicts the first. The summary
+    # said "imported 3 files: 15 records" and nothing else, and the cache held 10.
+    files = _files(tmp_path / "data", 3)
+    size = os.path.getsize(files[0])
+    cache_dir = str(tmp_path / "cache")
+    assert main(["import", "-q", *files, cache_dir, "--capacity", str(2 * size + size // 2)]) == 0
+    out = capsys.readouterr().out
+    assert "imported 3 files: 15 records in 3 shards" in out, out
+    assert "1 shards (5 records) evicted to keep the budget" in out and "the cache holds 10 records in 2 shards" in out
+    assert "evicted 1 shards" in caplog.text and "--capacity" in caplog.text, caplog.text
+    assert Cache(cache_dir).stats().records == 10
+    assert main(["import", "-q", files[0], cache_dir, "--capacity", "10KB"]) == 0  # room: nothing evicted or said
+    out = capsys.readouterr().out
+    assert "evicted" not in out and "the cache holds 15 records in 3 shards" in out, out
+
+
+def test_ctrl_c_during_an_import_says_what_was_imported_and_what_was_not(tmp_path):
+    # The command exited 1 without a word: which files were in the cache, and which to import again
+    # (a file imported twice has its records twice), the user could not tell.
+    root = tmp_path / "store"
+    root.mkdir()
+    cache_dir = str(tmp_path / "cache")
+    with FaultyHTTPStore(str(root)) as store:
+        urls = [store.put(f"train-{k}.tfrecord", framed([labelled(k, i) for i in range(5)])) for k in range(3)]
+        store.hang_paths = {"/train-1.tfrecord"}  # the second file never comes
+        proc = subprocess.Popen([_exe(), "import", *urls, cache_dir, "--schema", SCHEMA, "--status-interval", "0.2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with ctrl_c_on_exit_or_kill(proc) as ctrl_c:
+            wait_until(lambda: _shards(cache_dir) == 1 and store.in_flight == 1, timeout=60,
+                       what="the first file imported and the second one's request hanging")
+            out, err = ctrl_c(timeout=60)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err, err
+    assert "interrupted (Ctrl-C): imported 1 files: 5 records in 1 shards" in out, out
+    assert f"NOT IMPORTED {urls[1]}" in out and f"NOT IMPORTED {urls[2]}" in out and urls[0] not in out, out
+    assert _shards(cache_dir) == 1
+    assert not [n for n in os.listdir(os.path.join(cache_dir, "shards")) if n.startswith(TMP_PREFIX)]
