@@ -171,13 +171,16 @@ def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator
     refuses an oversized record before it asks for the rest of it.
     """
     inflater = zlib.decompressobj(INFLATE_WBITS[compression])
+    read = inflated = 0  # compressed bytes fed, inflated bytes given: where a damaged stream stops
     try:
         for chunk in chunks:
+            read += len(chunk)
             pending = chunk
             while pending:
                 data = inflater.decompress(pending, INFLATE_PIECE)
                 pending = inflater.unconsumed_tail
                 if data:
+                    inflated += len(data)
                     yield data
                 if inflater.eof and inflater.unused_data:
                     if compression != "GZIP":
@@ -189,14 +192,20 @@ def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator
             tail = inflater.decompress(b"", INFLATE_PIECE)
             if not tail:
                 break
+            inflated += len(tail)
             yield tail
         tail = inflater.flush()
         if tail:
+            inflated += len(tail)
             yield tail
     except zlib.error as exc:
-        raise CorruptShardError(source, 0, f"{compression} data is damaged ({exc})") from None
+        raise CorruptShardError(source, inflated, f"{compression} data is damaged ({exc}) within the first {read} "
+                                                  f"bytes of the file, after {inflated} inflated bytes (offsets count "
+                                                  "inflated bytes)") from None
     if not inflater.eof:
-        raise CorruptShardError(source, 0, f"the {compression} stream is truncated")
+        raise CorruptShardError(source, inflated, f"the {compression} stream is truncated (a copy cut short?): the "
+                                                  f"file's {read} bytes inflate to {inflated} bytes and end "
+                                                  "mid-stream (offsets count inflated bytes)")
 
 
 def _skip(chunks: Iterator[bytes], count: int) -> Iterator[bytes]:

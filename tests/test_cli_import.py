@@ -74,3 +74,20 @@ def test_ctrl_c_during_an_import_says_what_was_imported_and_what_was_not(tmp_pat
     assert f"NOT IMPORTED {urls[1]}" in out and f"NOT IMPORTED {urls[2]}" in out and urls[0] not in out, out
     assert _shards(cache_dir) == 1
     assert not [n for n in os.listdir(os.path.join(cache_dir, "shards")) if n.startswith(TMP_PREFIX)]
+
+
+def test_a_truncated_gzip_file_is_refused_with_where_it_ends(tmp_path, capsys):
+    # A .gz file cut short (a copy that died) was refused "at byte offset 0": as if nothing of it
+    # were readable, with no hint of where the data stopped.
+    import gzip
+    import re
+
+    data = framed([labelled(0, i) for i in range(200)])
+    packed = gzip.compress(data)
+    (tmp_path / "cut.tfrecord.gz").write_bytes(packed[:len(packed) // 2])
+    assert main(["import", "-q", str(tmp_path / "cut.tfrecord.gz"), str(tmp_path / "cache"), "--schema", SCHEMA]) == 1
+    out = capsys.readouterr().out
+    line, = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    offset = re.search(r"at byte offset (\d+)", line)
+    assert offset is not None and 0 < int(offset.group(1)) < len(data), line
+    assert f"{len(packed) // 2} bytes" in line and "truncated" in line, line
