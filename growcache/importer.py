@@ -473,7 +473,10 @@ def infer_schema(url: str, *, records: int = 16, storage_options: Mapping[str, A
         CorruptShardError: the file is damaged, or a record is longer than ``max_record_bytes``.
     """
     files = TFRecordFiles(url, storage_options=storage_options)
-    return _infer(files, files.paths()[0], records, max_record_bytes=_record_limit(max_record_bytes))
+    path = files.paths()[0]
+    if _local_directory(files, path):
+        raise _directory_error(files._url(path))
+    return _infer(files, path, records, max_record_bytes=_record_limit(max_record_bytes))
 
 
 def _infer(files: TFRecordFiles, path: str, records: int = 16, *,
@@ -688,8 +691,14 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
 
     infer_limit = _record_limit(max_record_bytes)
     skipped: set[str] = set()
+    for path in paths:
+        if _local_directory(files, path):
+            _skip_file(report, files._url(path), _directory_error(files._url(path)))
+            skipped.add(path)
     if cache.schema is None:
         for path in paths:
+            if path in skipped:
+                continue
             url = files._url(path)
             try:
                 inferred = _infer(files, path, max_record_bytes=infer_limit)
@@ -778,10 +787,24 @@ def _record_limit(value: int | str | None) -> int:
 
 def _in_cache(files: TFRecordFiles, path: str, cache: Any) -> bool:
     """Whether ``path`` is a local file in ``cache``'s own shard directory (as ``add_shard`` refuses)."""
-    protocols = files.fs.protocol if isinstance(files.fs.protocol, tuple) else (files.fs.protocol,)
-    if not {"file", "local"} & set(protocols):
+    if not _is_local(files):
         return False
     return os.path.dirname(os.path.realpath(path)) == os.path.realpath(cache.shards_dir)
+
+
+def _local_directory(files: TFRecordFiles, path: str) -> bool:
+    """Whether ``path`` is a local directory (a store's prefix is no object: its size request says so)."""
+    return _is_local(files) and os.path.isdir(path)
+
+
+def _is_local(files: TFRecordFiles) -> bool:
+    protocols = files.fs.protocol if isinstance(files.fs.protocol, tuple) else (files.fs.protocol,)
+    return bool({"file", "local"} & set(protocols))
+
+
+def _directory_error(url: str) -> RefusedFileError:
+    return RefusedFileError(f"{url} is a directory, not a TFRecord file: give the files in it, e.g. "
+                            f"'{url.rstrip('/')}/*' (quoted, growcache expands it), or '{url.rstrip('/')}/*.tfrecord*'.")
 
 
 def _skip_file(report: ImportReport, url: str, exc: BaseException) -> None:

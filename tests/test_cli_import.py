@@ -91,3 +91,17 @@ def test_a_truncated_gzip_file_is_refused_with_where_it_ends(tmp_path, capsys):
     offset = re.search(r"at byte offset (\d+)", line)
     assert offset is not None and 0 < int(offset.group(1)) < len(data), line
     assert f"{len(packed) // 2} bytes" in line and "truncated" in line, line
+
+
+def test_a_directory_given_as_a_file_says_to_give_its_files(tmp_path, capsys):
+    # `growcache import data/ CACHE` was refused with "IsADirectoryError ... This error is not
+    # retryable; fix its cause and start again", and `growcache schema data/` failed the same way.
+    files = _files(tmp_path / "data", 2)
+    data = str(tmp_path / "data")
+    assert main(["import", "-q", data, files[0], str(tmp_path / "cache")]) == 1
+    out = capsys.readouterr().out
+    assert f"REFUSED {data}: {data} is a directory" in out and f"'{data}/*'" in out, out
+    assert "imported 1 files: 5 records" in out and "IsADirectoryError" not in out, out
+    assert main(["schema", data]) == 1
+    err = capsys.readouterr().err
+    assert f"{data} is a directory" in err and f"'{data}/*'" in err and "IsADirectoryError" not in err, err
