@@ -107,6 +107,16 @@ def _existing_cache(path: str):
     return Cache(path)
 
 
+def _cache_dir_argument(path: str) -> None:
+    """A usage error when the cache path of a command that creates caches names something else than a directory."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing: the command creates it; unreadable: the command says so
+        return
+    if not stat.S_ISDIR(mode):
+        raise _UsageError(f"{path} is a file, not a directory: give the cache directory (created if missing)")
+
+
 def _time(ts: float | None) -> str:
     return "-" if ts is None else _dt.datetime.fromtimestamp(ts).isoformat(timespec="seconds")
 
@@ -590,6 +600,7 @@ def run_sample_command(args: Any) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
+    _cache_dir_argument(args.cache)
     try:
         return run_sample_command(args)
     except ValueError as exc:  # a bad --storage-option, --shape or window given on the command line
@@ -672,6 +683,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from exc
     if args.max_shard_records is not None and args.max_shard_records < 1:
         raise _UsageError(f"--max-shard-records must be at least 1, got {args.max_shard_records}")
+    _cache_dir_argument(args.cache)
     with _progress(args, "import", unit="B") as progress:
         copied = [0, 0]  # bytes copied, bytes shown
 

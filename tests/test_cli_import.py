@@ -105,3 +105,18 @@ def test_a_directory_given_as_a_file_says_to_give_its_files(tmp_path, capsys):
     assert main(["schema", data]) == 1
     err = capsys.readouterr().err
     assert f"{data} is a directory" in err and f"'{data}/*'" in err and "IsADirectoryError" not in err, err
+
+
+def test_a_file_given_as_the_cache_is_a_usage_error(tmp_path, capsys):
+    # import and sample said "pass a directory path to Cache()", an API hint, and exited 1; a path
+    # that is not a cache is a usage error (exit 2), as for status, verify and prune.
+    files = _files(tmp_path / "data", 1)
+    npy = tmp_path / "a.npy"
+    import numpy as np
+
+    np.save(npy, np.zeros((8, 2), np.float32))
+    for argv in (["import", "-q", files[0], files[0]], ["sample", "-q", f"file://{npy}", str(npy), "--records", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "is a file, not a directory" in err and "Cache()" not in err and "cache directory" in err, err
+    assert os.path.getsize(files[0]) > 0 and np.load(npy).shape == (8, 2), "neither file was touched"
