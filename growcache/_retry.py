@@ -232,8 +232,20 @@ def is_stall(exc: BaseException) -> bool:
     return False
 
 
+class ListingFailed(OSError):
+    """A folder's listing failed within a glob; the store's error is its ``__cause__`` (which decides
+    whether it is retried). Raised by :func:`growcache.store.glob_listing`."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(f"listing the folder {folder} failed")
+        self.folder = folder
+
+
 def describe_error(exc: BaseException) -> str:
     """``"Type: message"`` of ``exc``, adding the HTTP status or error code when known."""
+    if isinstance(exc, ListingFailed) and exc.__cause__ is not None:
+        return (f"{describe_error(exc.__cause__)}, listing the folder {exc.folder}: the glob's matches would be "
+                "incomplete")
     status, code = None, None
     for error in _chain(exc):
         status, code = _http_status(error)

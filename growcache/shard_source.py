@@ -83,7 +83,7 @@ from .errors import CacheFormatError, CompressedFileError, CorruptShardError, Gr
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _inflate, _record_limit, _skip, copy_records, iter_frames
 from .records import detect_compression
-from .store import _sized
+from .store import _sized, glob_listing
 from .writer import discard_temporary
 
 if TYPE_CHECKING:
@@ -488,7 +488,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         for url in self.urls:
             path = fs._strip_protocol(url)
             if _GLOB_CHARS & set(path):
-                listing = self._io("listing", self._redact(url), lambda p=path: fs.glob(p, detail=True))
+                listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
                 found.update((p, _version(info)) for p, info in listing.items()
                              if isinstance(info, dict) and info.get("type", "file") != "directory")
             else:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._concurrent import current_ticket
-from ._retry import Redactor, RetryPolicy, describe_error, is_stall, is_throttle, is_transient
+from ._retry import ListingFailed, Redactor, RetryPolicy, describe_error, is_stall, is_throttle, is_transient
 from .errors import GrowcacheError, MissingExtraError, SourceError, TransientSourceError
 
 __all__ = ["Sample", "Source", "StoreSource"]
@@ -519,7 +519,7 @@ class StoreSource(Source):
             for url in self.urls:
                 path = fs._strip_protocol(url)
                 if _GLOB_CHARS & set(path):
-                    listing = self._io("listing", self._redact(url), lambda p=path: fs.glob(p, detail=True))
+                    listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
                     files = {p: info for p, info in listing.items() if info.get("type", "file") != "directory"}
                     found.update(files)
                     self._sizes.update({p: int(info["size"]) for p, info in files.items()
@@ -726,7 +726,60 @@ def _sized(size: Callable[[], Any]) -> Any:
     raise error
 
 
+_GLOBBING = threading.Lock()
+# A child forked while another thread globbed would find the lock held for good.
+os.register_at_fork(after_in_child=lambda: globals().update(_GLOBBING=threading.Lock()))
+
+
+def glob_listing(fs: Any, path: str) -> dict[str, Any]:
+    """``fs.glob(path, detail=True)``, raising where a folder of the walk could not be listed.
+
+    fsspec's glob walks the folders above its matches and leaves out any folder whose listing
+    fails (its walk's ``on_error="omit"``, not passed down to the levels below): a throttled or
+    failing prefix of S3 (an ``OSError`` from s3fs) or a refused connection vanished from the
+    dataset without a word, and a failed first level read as "nothing matches". A folder gone
+    meanwhile (not found) is still left out: a live bucket loses prefixes.
+    """
+    failed: list[tuple[str, BaseException]] = []
+    name = "_ls" if getattr(fs, "async_impl", False) else "ls"
+
+    def note(folder: str, exc: Exception) -> None:
+        if not isinstance(exc, FileNotFoundError) or _not_found(exc) is not exc:
+            failed.append((folder, exc))
+
+    if name == "_ls":
+        async def listing(folder: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await original(folder, *args, **kwargs)
+            except Exception as exc:
+                note(folder, exc)
+                raise
+    else:
+        def listing(folder: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            try:
+                return original(folder, *args, **kwargs)
+            except Exception as exc:
+                note(folder, exc)
+                raise
+
+    # Only this instance, only for this call: the folders the walk lists go through ``listing``.
+    # One glob at a time in a process: fsspec shares a filesystem instance between its users.
+    with _GLOBBING:
+        original = getattr(fs, name)
+        setattr(fs, name, listing)
+        try:
+            found = fs.glob(path, detail=True)
+        finally:
+            fs.__dict__.pop(name, None)
+    if failed:
+        folder, exc = failed[0]
+        raise ListingFailed(folder) from exc
+    return found
+
+
 def _hint(exc: BaseException) -> str:
+    if isinstance(exc, ListingFailed) and exc.__cause__ is not None:
+        exc = exc.__cause__
     if isinstance(exc, FileNotFoundError):
         return "Check that the bucket and object exist and the URL is spelled right."
     if isinstance(exc, PermissionError):

@@ -128,11 +128,43 @@ class S3Server:
         self.port = self._held.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._server = None
+        #: Faults on demand: listing prefix -> [HTTP status, S3 error code, how many more times]. A
+        #: bucket listing (GET with ``prefix=``) of that prefix gets that error while the count lasts.
+        self.fail_listings: dict[str, list] = {}
+
+    def _faulty(self, app: Any) -> Any:
+        """``app`` (moto's WSGI application), failing the listings that ``fail_listings`` names."""
+        from urllib.parse import parse_qs
+
+        def serve(environ: dict, start_response: Any) -> Any:
+            prefix = parse_qs(environ.get("QUERY_STRING", "")).get("prefix", [None])[0]
+            fault = self.fail_listings.get(prefix) if environ["REQUEST_METHOD"] == "GET" else None
+            if fault and fault[2] > 0:
+                fault[2] -= 1
+                body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault[1]}</Code>'
+                        f"<Message>{fault[1]} (a fault the test asked for)</Message></Error>").encode()
+                start_response(f"{fault[0]} {fault[1]}", [("Content-Type", "application/xml"),
+                                                          ("Content-Length", str(len(body)))])
+                return [body]
+            return app(environ, start_response)
+
+        return serve
 
     def start(self) -> None:
-        from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+        from moto.moto_server import threaded_moto_server as moto
 
-        self._server = ThreadedMotoServer("127.0.0.1", self.port, verbose=False)
+        faulty = self._faulty
+
+        class Server(moto.ThreadedMotoServer):
+            # moto's own entry point, with its application wrapped by the faults of the test.
+            def _server_entry(self) -> None:
+                app = faulty(moto.DomainDispatcherApplication(moto.create_backend_app))
+                self._server = moto.make_server(self._ip_address, self._port, app, True,
+                                                request_handler=moto.MotoRequestHandler)
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        self._server = Server("127.0.0.1", self.port, verbose=False)
         if self._held is not None:
             self._held.close()  # the server binds the port a moment later (werkzeug: SO_REUSEADDR)
             self._held = None
@@ -203,6 +235,7 @@ def s3(s3_server):
     if s3_server._server is None:  # a previous test left it stopped
         s3_server.start()
     s3_server.reset()
+    s3_server.fail_listings.clear()
     clear_fsspec_caches()
     store = Store(f"s3://{BUCKET}", s3_server.storage_options())
     store.fs().mkdir(BUCKET)

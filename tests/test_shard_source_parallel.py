@@ -140,6 +140,16 @@ def test_shards_over_s3_arrive_whole_plain_compressed_and_cut(tmp_path, s3):
     assert source.requests > 3 * 2  # several ranged GETs per shard
 
 
+def test_a_shard_folder_whose_listing_fails_for_a_while_is_listed_again_not_left_out(s3_server, s3):
+    # fsspec's glob leaves out a folder whose listing fails: its shards went missing from the pass.
+    for folder in "abc":
+        s3.put(f"data/{folder}/train-0", framed(_records(0, 3)))
+    s3_server.fail_listings["data/b/"] = [500, "InternalError", 2]  # botocore's own retry included
+    source = TFRecordShardSource(f"{s3.url}/data/*/train-*", storage_options=s3.storage_options, retry=FAST_RETRY)
+    assert sorted(p.rsplit("/", 2)[-2] for p in source._list_versions()) == ["a", "b", "c"]
+    assert s3_server.fail_listings["data/b/"][2] == 0, "the failed listing was asked again"
+
+
 def test_a_part_that_fails_transiently_once_is_retried_alone(tmp_path, http_store):
     data = framed(_records(0))
     url = http_store.put("shard-0", data)
