@@ -39,6 +39,7 @@ from .errors import (
     CorruptShardError,
     RefusedFileError,
     SchemaError,
+    SchemaMismatchError,
     SourceError,
     TransientSourceError,
 )
@@ -710,8 +711,14 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
                 _skip_file(report, url, exc)
                 skipped.add(path)
                 continue
-            cache = Cache(cache.path, schema=inferred)
-            logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, url)
+            try:
+                cache = Cache(cache.path, schema=inferred)
+            except SchemaMismatchError:  # another import (or sampler) gave the new cache its schema meanwhile
+                cache = Cache(cache.path)
+                logger.info("cache %s got the schema %r from another process meanwhile: the files are checked "
+                            "against it", cache.path, cache.schema)
+            else:
+                logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, url)
             break
         else:
             report.stopped = "no file holds records growcache can read, so no schema could be inferred"

@@ -120,3 +120,27 @@ def test_a_file_given_as_the_cache_is_a_usage_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "is a file, not a directory" in err and "Cache()" not in err and "cache directory" in err, err
     assert os.path.getsize(files[0]) > 0 and np.load(npy).shape == (8, 2), "neither file was touched"
+
+
+def test_two_imports_into_a_new_cache_the_second_checks_its_files_against_the_first_ones_schema(tmp_path):
+    # Two imports into one new cache both infer a schema; the second to store it failed as a whole
+    # with "... but Schema(...) was given. Open it without schema= to use the stored one": an API
+    # hint for a schema the user never gave. The file is refused against the stored schema instead.
+    from growcache import Schema
+
+    root = tmp_path / "store"
+    root.mkdir()
+    cache_dir = str(tmp_path / "cache")
+    with FaultyHTTPStore(str(root)) as store:
+        url = store.put("a.tfrecord", framed([labelled(0, i) for i in range(5)]))
+        store.latency = 3.0  # the inference's read waits: the other import stores its schema meanwhile
+        proc = subprocess.Popen([_exe(), "import", "-q", url, cache_dir], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with ctrl_c_on_exit_or_kill(proc):
+            wait_until(lambda: store.in_flight == 1, timeout=60, what="the inference's read")
+            Cache(cache_dir, schema=Schema({"y": ("float32", (2,))}))
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert f"REFUSED {url}" in out and "missing ['y']" in out, out
+    assert "schema=" not in err and "Traceback" not in err, err
+    assert Cache(cache_dir).schema == Schema({"y": ("float32", (2,))})
