@@ -72,6 +72,8 @@ class Progress:
 
     def __enter__(self) -> Progress:
         self._started = time.monotonic()
+        with self._lock:  # the count starts here: one update, at the end of short work, still gives a rate
+            self._samples.append((self._started, self.n))
         if self.quiet:
             return self
         if self.tty:

@@ -144,3 +144,14 @@ def test_two_imports_into_a_new_cache_the_second_checks_its_files_against_the_fi
     assert f"REFUSED {url}" in out and "missing ['y']" in out, out
     assert "schema=" not in err and "Traceback" not in err, err
     assert Cache(cache_dir).schema == Schema({"y": ("float32", (2,))})
+
+
+def test_the_last_status_line_of_a_short_import_gives_its_rate(tmp_path):
+    # An import shorter than its first 1 MiB updated the count once, at the end, and one update
+    # gave no rate: the last line said "import: 2.6 KB, 0 B/s".
+    files = _files(tmp_path / "data", 5)
+    result = subprocess.run([_exe(), "import", *files, str(tmp_path / "cache")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    last, = [line for line in result.stderr.splitlines() if line.startswith("import: ")]
+    assert last.startswith("import: 2.7 KB, ") and ", 0 B/s," not in last, last
