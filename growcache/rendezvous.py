@@ -16,8 +16,8 @@ A :class:`Rendezvous` carries the agreement. The core has three:
   multi-worker, or processes told their rank by ``RANK``/``WORLD_SIZE``). The group's first
   rank writes a small epoch file into the cache's ``epochs/`` directory, atomically, under a
   name keyed by run id, group and epoch; the others wait for it, lease, and say so with an
-  acknowledgement file. A rank that waits longer than its bound fails with
-  :class:`~growcache.errors.EpochSyncError`.
+  acknowledgement file (or refuse it there: see :class:`FileRendezvous`). A rank that waits
+  longer than its bound fails with :class:`~growcache.errors.EpochSyncError`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import threading
 import time
@@ -62,6 +63,7 @@ EPOCHS_DIR = "epochs"
 _POLL_S = 0.02
 _EPOCH_FILE = re.compile(r"^([0-9a-f]{16})-([0-9]{10})\.json$")
 _ACK_FILE = re.compile(r"^([0-9a-f]{16})-([0-9]{10})\.ack-([0-9]+)$")
+_ATTEMPT = re.compile(r"[0-9a-f]{16}")  # an epoch file's attempt, matched whole
 _EXIT_WAIT_S = 60.0
 _TEMP_MAX_AGE_S = 3600.0  # epoch files are written without the cache lock: only old temporaries are surely dead
 
@@ -128,9 +130,10 @@ class Agreement(Protocol):
         """The taker's epoch ended: call ``close`` (its lease) once every rank leased."""
 
     def give_up(self) -> None:
-        """This rank will not read the epoch (it raises before it leases): the taker need not
-        hold its lease, nor its process's exit, waiting for this rank. A collective rendezvous
-        needs nothing: there every rank raises together."""
+        """This rank refuses the epoch: what it resumes (the ``note`` it shared) disagrees with
+        the first rank's, and it raises before it leases. The taker need not hold its lease, nor
+        its process's exit, waiting for this rank; over epoch files it raises too, naming both
+        notes. A collective rendezvous needs nothing: there every rank raises together."""
 
 
 class Rendezvous(Protocol):
@@ -240,11 +243,12 @@ def _parsed_note(note: str) -> dict[str, Any]:
     return parsed
 
 
-def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
+def disagreement(notes: Sequence[str], group: Any, *, collective: bool, ranks: Sequence[str] | None = None) -> str:
     """Why ranks cannot resume together, from each rank's note (:meth:`growcache.resume.Resume.note`;
     ``""``: a rank that starts its epoch afresh); ``""`` when they agree. ``collective``: ``notes`` holds every world
     rank's, in rank order (epoch, seed, progress and layout must match world-wide, the snapshot
-    within each group); else the group's first rank's, then this rank's."""
+    within each group); else the group's first rank's, then this rank's. ``ranks``: what to call
+    the ranks of ``notes`` instead (``None``: by that order); ``group`` may then be ``None``."""
     parsed = [_parsed_note(note) if note else None for note in notes]
     if all(note is None for note in parsed):
         return ""
@@ -261,7 +265,8 @@ def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
             by_group.setdefault(note["group"], set()).add((note["cache"], note["snapshot"]))
     if len({key(note) for note in parsed}) == 1 and all(len(seen) == 1 for seen in by_group.values()):
         return ""
-    ranks = (list(range(len(parsed))) if collective else ["the group's first", "this"])
+    if ranks is None:
+        ranks = list(range(len(parsed))) if collective else ["the group's first", "this"]
     seen: dict[str, list] = {}
     for rank, note in zip(ranks, parsed):
         what = ("starts its epoch afresh (no state loaded)" if note is None else
@@ -270,8 +275,9 @@ def disagreement(notes: Sequence[str], group: Any, *, collective: bool) -> str:
                 f"{note['seed']}, layout {note['layout']})")
         seen.setdefault(what, []).append(rank)
     told = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} {what}" for what, r in seen.items())
+    this = "" if group is None else f" (rank {group.world_rank} is this one)"
     return (f"the ranks cannot resume together ({told}): every rank must load the state it saved at the same step "
-            f"of the same run (rank {group.world_rank} is this one), or none may")
+            f"of the same run{this}, or none may")
 
 
 # -- ranks with a process group ------------------------------------------------------------------
@@ -425,13 +431,29 @@ class _LocalAgreement:
 class FileRendezvous:
     """The ranks of a group agree through epoch files in the cache directory.
 
+    Each epoch file names its *attempt* (random, new each time the first rank takes the epoch)
+    and every answer names the attempt it answers, so that a retried epoch never meets an
+    earlier attempt's files: a rank retrying after the first rank's error waits for the first
+    rank's retry instead of raising the error it already raised, and the first rank never takes
+    an answer to its earlier file for one to its new file.
+
+    The other ranks answer in acknowledgement files: leased, could not lease, or *refused*
+    (what the rank resumes disagrees with the first rank's note; the answer carries its own
+    note). A first rank that resumes waits in :meth:`~Agreement.confirm` for every rank's answer,
+    at most ``wait_for_shards`` + ``timeout`` seconds, and raises
+    :class:`~growcache.errors.EpochSyncError` at a refusal (naming both notes), at a rank that
+    could not lease, or at ranks that never answered; it then replaces its epoch file with that
+    error, so that a rank that reads the file later raises too. A first rank that starts afresh
+    does not wait (it may end its epoch before the others start theirs): a refusal already there
+    at its ``confirm`` raises there, a later one at its next epoch's start.
+
     Args:
         cache_dir: the cache directory the group reads (its ``epochs/`` holds the files).
         key: the group's identity (run id, group name, and which of the process's readers).
         rank: this process's rank within the group; rank 0 takes every epoch.
         size: ranks in the group.
         wait_for_shards: seconds the first rank may wait for a first shard; the others wait
-            that long plus ``timeout``.
+            that long plus ``timeout``, and so does a resuming first rank for their answers.
         timeout: see :data:`AGREE_TIMEOUT_S`. Default: :data:`AGREE_TIMEOUT_S`.
         file_mode: permission bits of the files. Default: ``0o600``.
         dir_mode: permission bits of ``epochs/`` if it is created. Default: ``0o700``.
@@ -447,6 +469,9 @@ class FileRendezvous:
         self.timeout = AGREE_TIMEOUT_S if timeout is None else float(timeout)
         self.wait = float(wait_for_shards) + self.timeout
         self.file_mode = file_mode
+        self._raised: dict[int, str] = {}  # epoch -> the attempt whose error this rank raised
+        self._taken: list[_FileAgreement] = []  # the first rank's epochs whose answers it may yet raise for
+        self._lock = threading.Lock()
         Manifest(cache_dir).make_subdir(self.dir, dir_mode)  # never a link: epochs/ is written and swept
 
     def path(self, epoch: int) -> str:
@@ -459,41 +484,83 @@ class FileRendezvous:
     def share(self, epoch: int, take: Callable[[], EpochShards], note: str = "") -> Agreement:
         path = self.path(epoch)
         if self.rank == 0:
+            self._raise_refusals()
             remove_stale_epoch_files(os.path.dirname(self.dir))
             _proc.let_go(path)  # its heartbeat, if an earlier attempt of this process wrote it
             if _is_directory(path):  # the sweep leaves directories alone
                 raise CacheFormatError(
                     f"{path} is a directory, where the first rank writes this run's epoch file, so the ranks cannot "
                     "agree on the epoch. Remove it (growcache deletes no directory) and start again.")
+            with self._lock:  # an earlier attempt's files go below: its answers are no one's now
+                self._taken = [agreement for agreement in self._taken if agreement._epoch != epoch]
             _unlink_quiet(path)  # a failed earlier attempt's error, which a retrying rank must not read
             # Acknowledgements of this epoch left by a killed run (restarted with the same run id
-            # within the sweep's grace): taken for this file's, they would let it go at once.
-            # No rank acknowledges before the file below exists, so none of these is this run's.
+            # within the sweep's grace) or by an earlier attempt: they answer another attempt, and
+            # are no answer to this one, but go with it.
             for rank in range(1, self.size):
                 _unlink_quiet(self.ack_path(epoch, rank))
             shards = take()
-            pid, start = _proc.this_process()
-            body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,
-                    "host": _proc.this_host(), "created": time.time(), "expiry": _proc.beat_expiry()}
-            atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
-            # Its heartbeat is the evidence that lets ranks in another process table (another
-            # machine or container) tell this live file from a dead run's.
-            _proc.keep_alive(path)
-            return _FileAgreement(self, epoch, shards, took=True)
-        return _FileAgreement(self, epoch, self._wait_for(epoch, path), took=False)
+            agreement = _FileAgreement(self, epoch, shards, True, self._publish(epoch, shards), note)
+            with self._lock:
+                self._taken.append(agreement)
+            return agreement
+        shards, attempt = self._wait_for(epoch, path)
+        return _FileAgreement(self, epoch, shards, False, attempt, note)
 
-    def _wait_for(self, epoch: int, path: str) -> EpochShards:
+    def _publish(self, epoch: int, shards: EpochShards) -> str:
+        """Write epoch ``epoch``'s file (the first rank); returns its attempt."""
+        path = self.path(epoch)
+        attempt = secrets.token_hex(8)
+        pid, start = _proc.this_process()
+        body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,
+                "host": _proc.this_host(), "created": time.time(), "expiry": _proc.beat_expiry(), "attempt": attempt}
+        atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
+        # Its heartbeat is the evidence that lets ranks in another process table (another
+        # machine or container) tell this live file from a dead run's.
+        _proc.keep_alive(path)
+        return attempt
+
+    def _raise_refusals(self) -> None:
+        """The first rank: raise, once, for the refusals of its earlier epochs that it has not raised for."""
+        with self._lock:
+            taken = list(self._taken)
+        told = []
+        for agreement in taken:
+            problem = agreement._untold_refusal()
+            if problem:
+                told.append(problem)
+            if problem or agreement._finished:
+                with self._lock:
+                    if agreement in self._taken:
+                        self._taken.remove(agreement)
+        if told:
+            raise EpochSyncError("; ".join(told) + ". The refusing rank raised at that epoch's start: start every "
+                                 "rank again, each with the state it saved at the same step, or every rank with none.")
+
+    def _wait_for(self, epoch: int, path: str) -> tuple[EpochShards, str]:
         deadline = time.monotonic() + self.wait
         dead_writer = None
+        raised = self._raised.get(epoch)
+        stale = None
         while True:
             body = _read_epoch_file(path)
             if body is not None:
-                if _writer_lives(body):
-                    return EpochShards.from_json(body, path)
-                dead_writer = body.get("pid")  # a crashed run's file: wait for a live first rank to replace it
+                if not _writer_lives(body):
+                    dead_writer = body.get("pid")  # a crashed run's file: wait for a live first rank to replace it
+                elif raised is not None and body.get("attempt") == raised:
+                    stale = body.get("error")  # the failed attempt this rank raised for: wait for the retry
+                else:
+                    shards = EpochShards.from_json(body, path)
+                    attempt = body.get("attempt") or ""
+                    if shards.error and attempt:
+                        self._raised[epoch] = attempt
+                    return shards, attempt
             if time.monotonic() >= deadline:
                 why = (f"; the file there was written by pid {dead_writer}, which is gone" if dead_writer is not None
                        else "")
+                if stale is not None:
+                    why = (f"; the file there is the first rank's failed attempt ({stale}), which this rank raised "
+                           "already: the first rank has not tried again")
                 raise EpochSyncError(
                     f"rank {self.rank} of {self.size} waited {self.wait:.0f} s for epoch {epoch} of its group from the "
                     f"group's first rank (epoch file {path}){why}. Start every rank with the same cache, split and "
@@ -505,24 +572,41 @@ class FileRendezvous:
 class _FileAgreement:
     notes = None
 
-    def __init__(self, rendezvous: FileRendezvous, epoch: int, shards: EpochShards, took: bool) -> None:
+    def __init__(self, rendezvous: FileRendezvous, epoch: int, shards: EpochShards, took: bool, attempt: str,
+                 note: str) -> None:
         self._rendezvous = rendezvous
         self._epoch = epoch
         self.shards = shards
         self.took = took
+        self._attempt = attempt  # of the epoch file this agreement answers, or wrote
+        self._note = note  # what this rank resumes, told with a refusal
+        # The first rank's: each rank's answer to this attempt (final once given), and why a
+        # rank's answer file is no answer.
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._unread: dict[int, str] = {}
+        self._told = False  # the first rank raised for a refusal of this epoch
+        self._finished = False  # its files went (release)
+        self._lock = threading.Lock()
 
     def confirm(self, leased: bool, batches: int) -> None:
-        # The acknowledgement lets the first rank drop its lease: this rank holds the shards in
-        # a lease of its own now, or gave the epoch up and will not read them at all.
         if not self.took:
-            pid, start = _proc.this_process()
-            body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time()}
-            atomic_write_bytes(self._rendezvous.ack_path(self._epoch, self._rendezvous.rank),
-                               json.dumps(body).encode(), self._rendezvous.file_mode)
+            # The acknowledgement lets the first rank drop its lease: this rank holds the shards
+            # in a lease of its own now, or could not lease them and will not read them.
+            self._answer(leased=leased, refused=False)
+        elif leased:
+            self._hear(wait=bool(self.shards.note))
         return None
 
     def give_up(self) -> None:
-        self.confirm(False, 0)
+        if not self.took:
+            self._answer(leased=False, refused=True)
+
+    def _answer(self, *, leased: bool, refused: bool) -> None:
+        pid, start = _proc.this_process()
+        body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
+                "attempt": self._attempt, "leased": leased, "refused": refused, "note": self._note}
+        atomic_write_bytes(self._rendezvous.ack_path(self._epoch, self._rendezvous.rank),
+                           json.dumps(body).encode(), self._rendezvous.file_mode)
 
     def release(self, close: Callable[[], None]) -> None:
         rendezvous, epoch = self._rendezvous, self._epoch
@@ -535,8 +619,95 @@ class _FileAgreement:
                 _proc.let_go(rendezvous.path(epoch))
                 for name in [rendezvous.path(epoch), *acks]:
                     _unlink_quiet(name)
+                self._finished = True
+                refusal = self._refusal(self._answers_now())
+                if refusal and not self._told:  # raised at the first rank's next epoch's start
+                    logger.error("%s", refusal)
 
-        _KEEPER.hold(lambda: all(os.path.exists(a) for a in acks), done, time.monotonic() + rendezvous.timeout)
+        _KEEPER.hold(lambda: len(self._answers_now()) == rendezvous.size - 1, done,
+                     time.monotonic() + rendezvous.timeout)
+
+    # -- the first rank hears the others -------------------------------------------------------------------
+    def _answers_now(self) -> dict[int, dict[str, Any]]:
+        """Every rank's answer to this attempt so far, by rank (each file read until it answers)."""
+        rendezvous = self._rendezvous
+        with self._lock:
+            for rank in range(1, rendezvous.size):
+                if rank not in self._answers:
+                    answer, why = _read_answer(rendezvous.ack_path(self._epoch, rank), self._attempt)
+                    if answer is not None:
+                        self._answers[rank] = answer
+                    if why:
+                        self._unread[rank] = why
+                    else:
+                        self._unread.pop(rank, None)
+            return dict(self._answers)
+
+    def _hear(self, wait: bool) -> None:
+        """Raise if a rank refused the epoch; ``wait``: wait for every rank's answer, and raise
+        too if one could not lease, or if a rank did not answer within the agreement's bound."""
+        rendezvous = self._rendezvous
+        deadline = time.monotonic() + rendezvous.wait
+        while True:
+            answers = self._answers_now()
+            problem = self._refusal(answers)
+            failed = sorted(rank for rank, answer in answers.items() if not answer["leased"])
+            if not problem and wait and failed:
+                problem = (f"epoch {self._epoch}: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                           f"of the group could not resume it (see their errors); every rank stops rather than read "
+                           "different data")
+            if not problem and wait and len(answers) < rendezvous.size - 1 and time.monotonic() >= deadline:
+                silent = [rank for rank in range(1, rendezvous.size) if rank not in answers]
+                with self._lock:
+                    files = "; ".join(self._unread.get(rank) or
+                                      f"no file at {rendezvous.ack_path(self._epoch, rank)}" for rank in silent)
+                problem = (f"epoch {self._epoch}: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                           f"of {rendezvous.size} did not answer the first rank's epoch file "
+                           f"{rendezvous.path(self._epoch)} within {rendezvous.wait:.0f} s ({files}), so this rank "
+                           "cannot know that they resume what it resumes. Start every rank with the same cache, "
+                           "split and run id (GROWCACHE_RUN_ID, or run_id=), each with the state it saved at the "
+                           "same step; every rank must be running.")
+            if problem:
+                self._fail(problem)
+            if not wait or len(answers) == rendezvous.size - 1:
+                return
+            time.sleep(_POLL_S)
+
+    def _refusal(self, answers: dict[int, dict[str, Any]]) -> str:
+        refused = sorted(rank for rank, answer in answers.items() if answer["refused"])
+        if not refused:
+            return ""
+        rendezvous = self._rendezvous
+        names = [f"{rendezvous.rank} (this one, the group's first)", *map(str, refused)]
+        problem = disagreement([self.shards.note, *(answers[rank]["note"] for rank in refused)], None,
+                               collective=False, ranks=names) or (
+            "they refused it, though they resume what this rank resumes (ranks of another growcache version?)")
+        return (f"epoch {self._epoch}: rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))} of the "
+                f"group refused the first rank's epoch file {rendezvous.path(self._epoch)}: {problem}")
+
+    def _untold_refusal(self) -> str:
+        """A refusal of this epoch that the first rank has yet to raise for; ``""`` if none (it is told once)."""
+        problem = "" if self._told else self._refusal(self._answers_now())
+        self._told = self._told or bool(problem)
+        return problem
+
+    def _fail(self, problem: str) -> None:
+        """The first rank raises ``problem`` instead of reading the epoch. Its epoch file says so
+        from now on, for the ranks that have yet to answer it (it goes if none has)."""
+        rendezvous = self._rendezvous
+        self._told = True
+        with rendezvous._lock:
+            if self in rendezvous._taken:
+                rendezvous._taken.remove(self)
+        unanswered = len(self._answers_now()) < rendezvous.size - 1
+        for rank in range(1, rendezvous.size):
+            _unlink_quiet(rendezvous.ack_path(self._epoch, rank))
+        if unanswered:
+            rendezvous._publish(self._epoch, replace(self.shards, error=problem, error_type="EpochSyncError"))
+        else:  # every rank answered already: none will read it
+            _proc.let_go(rendezvous.path(self._epoch))
+            _unlink_quiet(rendezvous.path(self._epoch))
+        raise EpochSyncError(problem)
 
 
 def remove_stale_epoch_files(cache_dir: str) -> int:
@@ -654,7 +825,33 @@ def _epoch_file_problem(body: dict[str, Any]) -> str:
         return "its names are not a list of strings"
     if not isinstance(body.get("note") or "", str):
         return "its note is not a string"
+    if "attempt" in body and not (isinstance(body["attempt"], str) and _ATTEMPT.fullmatch(body["attempt"])):
+        return f"its attempt is {body['attempt']!r}, not 16 hexadecimal digits"
     return ""
+
+
+def _read_answer(path: str, attempt: str) -> tuple[dict[str, Any] | None, str]:
+    """A rank's answer to the epoch file of attempt ``attempt`` (its acknowledgement file), and
+    why the file there is none (``""``: no file). Another process wrote it: every field is
+    checked, and a link is never followed."""
+    try:
+        read = read_state_file(path, f"acknowledgement file {path}")
+    except CacheFormatError as exc:
+        return None, str(exc)
+    if read is None:
+        return None, ""
+    body = read[0]
+    if not (isinstance(body.get("attempt"), str) and _ATTEMPT.fullmatch(body["attempt"])):
+        problem = f"its attempt is {body.get('attempt')!r}, not 16 hexadecimal digits"
+    elif not (isinstance(body.get("leased"), bool) and isinstance(body.get("refused"), bool)):
+        problem = f"its leased and refused are {body.get('leased')!r} and {body.get('refused')!r}, not true or false"
+    elif not isinstance(body.get("note"), str):
+        problem = f"its note is {type(body.get('note')).__name__}, not a string"
+    elif body["attempt"] != attempt:
+        return None, f"acknowledgement file {path} answers another epoch file (an earlier attempt's, or a killed run's)"
+    else:
+        return body, ""
+    return None, f"acknowledgement file {path} is damaged: {problem}"
 
 
 def _writer_lives(body: dict[str, Any]) -> bool:

@@ -205,7 +205,7 @@ def _file_rank(rank: int, cache: str, out: str) -> None:
     while not os.path.exists(os.path.join(out, f"saved{1 - rank}")):  # both saved before any resumes
         time.sleep(0.05)
     for name, steps in [("agree", (7, 7)), ("steps", (7, 5)), ("fresh1", (7, None)), ("fresh0", (None, 7))]:
-        batches, error = [], None
+        batches, error, later = [], None, None
         with loader() as resumed:
             try:
                 if steps[rank] is None:
@@ -216,7 +216,18 @@ def _file_rank(rank: int, cache: str, out: str) -> None:
                 batches = [b["id"].tolist() for b in resumed]
             except growcache.EpochSyncError as exc:
                 error = str(exc)
-        result[name] = {"batches": batches, "error": error}
+            with open(os.path.join(out, f"{name}-done{rank}"), "w") as f:
+                f.write("1")
+            if rank == 0 and error is None and name != "agree":
+                # A first rank that starts afresh does not wait for the others' answers: one that
+                # read the epoch hears of the refusal at its next epoch's start.
+                while not os.path.exists(os.path.join(out, f"{name}-done1")):
+                    time.sleep(0.05)
+                try:
+                    next(iter(resumed))
+                except growcache.EpochSyncError as exc:
+                    later = str(exc)
+        result[name] = {"batches": batches, "error": error, "later": later}
     if rank == 0:
         # A rank that raised told this one so (its acknowledgement): the epoch files and leases go
         # within polls, not after the agreement timeout (60 s), nor at this process's exit.
@@ -232,10 +243,12 @@ def _file_rank(rank: int, cache: str, out: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_ranks_without_a_process_group_check_the_resume_through_epoch_files(tmp_path):
-    """Without a process group only the group's first rank writes (the epoch file, with its resume
+    """Without a process group only the group's first rank writes the epoch file (with its resume
     note): every other rank checks its own note against it, and raises naming both when they
-    differ; the first rank cannot hear from the others, so it reads on with its own state, and it
-    lets its epoch file (and lease) go once the others leased or gave up."""
+    differ, refusing the epoch in its acknowledgement file. The first rank hears it there: resuming,
+    it waits for every rank's answer and raises naming both notes too; starting afresh (it waits
+    for no rank), at its epoch's start if the refusal is there already, else at its next epoch's
+    start. It lets its epoch file (and lease) go once the others leased or refused."""
     import multiprocessing
 
     cache = Cache(tmp_path / "cache", capacity="1GB", schema=ID_SCHEMA)
@@ -259,8 +272,13 @@ def test_ranks_without_a_process_group_check_the_resume_through_epoch_files(tmp_
         error = ranks[1][name]["error"] or ""
         assert ranks[1][name]["batches"] == [] and "cannot resume together" in error, (name, error)
         assert mine in error and first in error, (name, error)
-    assert ranks[0]["steps"]["error"] is None and ranks[0]["steps"]["batches"] == ranks[0]["whole"][7:]
-    assert ranks[0]["fresh0"]["error"] is None and ranks[0]["fresh0"]["batches"] == ranks[0]["whole"]
+        # The first rank hears the refusal: it raises naming both notes, never reading on alone.
+        told = ranks[0][name]["error"] or ranks[0][name]["later"] or ""
+        assert "refused the first rank's epoch file" in told and mine in told and first in told, (name, told)
+    for name in ("steps", "fresh1"):  # resuming, it waits for rank 1's answer: it reads nothing
+        assert ranks[0][name]["error"] and ranks[0][name]["batches"] == [], name
+    if ranks[0]["fresh0"]["error"] is None:  # it read its fresh epoch before it heard of the refusal
+        assert ranks[0]["fresh0"]["batches"] == ranks[0]["whole"]
     assert ranks[0]["left"] == [[], 0]  # the first rank let go: rank 1 acknowledged even as it raised
 
 
