@@ -316,10 +316,8 @@ class _Iterator(iterator_ops.OwnedIterator):
             iterators.done(self._growcache_epoch)
             raise
         except tf.errors.OpError as exc:
-            error = self._growcache_iterators.error_for(exc.message)
-            if error is None:
-                raise
-            raise error from None  # TensorFlow has logged its own copy of the traceback
+            iterators.raise_error_for(exc.message)  # TensorFlow has logged its own copy of the traceback
+            raise
         meter.next_done(started, True)
         if tf.executing_eagerly():  # traced into a tf.function (Keras), it runs once: the caller counts
             self._growcache_epoch = iterators.took(self._growcache_epoch)  # handed to the loop, not prefetched

@@ -301,19 +301,29 @@ class IteratorEpochs:
             raise
 
     def note(self, error: GrowcacheError) -> None:
-        """Keep an error raised inside the framework, for :meth:`error_for`."""
+        """Keep an error raised inside the framework, for :meth:`raise_error_for`."""
         with self._lock:
             self._errors[:] = [*self._errors[-15:], error]  # errors inside derived datasets are never claimed
 
-    def error_for(self, message: str) -> GrowcacheError | None:
-        """The growcache error behind a framework error with this ``message``, if one of ours
-        raised it (taken off the list: raised again it holds the iterator's frames, which must
-        not outlive the caller's)."""
+    def raise_error_for(self, message: str) -> None:
+        """Raise the growcache error behind a framework error with this ``message``, if one of
+        ours raised it; return otherwise.
+
+        Raises:
+            GrowcacheError: the error, taken off the list, without the frames it was first raised
+                from, which must not outlive the caller's.
+        """
         with self._lock:
-            for i in range(len(self._errors) - 1, -1, -1):
-                if str(self._errors[i]) in message:
-                    return self._errors.pop(i).with_traceback(None)
-        return None
+            i = next((i for i in range(len(self._errors) - 1, -1, -1) if str(self._errors[i]) in message), None)
+            error = None if i is None else self._errors.pop(i).with_traceback(None)
+        if error is None:
+            return
+        try:
+            raise error from None
+        finally:
+            # This frame is in the error's traceback: holding the error too would make a cycle that
+            # keeps the caller's frames (a TensorFlow iterator, its epoch's lease) until a collection.
+            error = None
 
 
 class SlabFeed:

@@ -3,7 +3,9 @@ the length, the length's CRC, the payload's CRC, and a length rewritten with a v
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -108,3 +110,24 @@ def test_a_shard_cut_at_a_record_boundary_is_corrupt_with_either_reader_and_eith
     got = _read(ds)
     assert set(ids[:4] + ids[8:]) <= set(got) <= set(ids[:7] + ids[8:]) and len(got) == len(set(got))
     assert [e.path for e in ds.skipped] == [bad]
+
+
+@pytest.mark.parametrize("reader", ["growcache", "tensorflow"])
+def test_an_epoch_that_raised_ends_its_lease_once_the_error_is_handled_without_garbage_collection(id_cache, reader):
+    # `except CorruptShardError` around the loop, then `growcache verify --remove-corrupt` and a
+    # new epoch: the failed epoch must not keep its shards leased until a garbage collection.
+    # The error raised out of the iterator's frame was held by that frame (a cycle through its
+    # traceback), which kept the iterator, and so the epoch, alive.
+    _damaged_cache(id_cache, "payload CRC")
+    gc.disable()
+    try:
+        try:
+            _read(make_tf_dataset(id_cache, 2, seed=0, reader=reader))
+        except CorruptShardError:
+            pass
+        deadline = time.monotonic() + 10  # a pipeline thread may hold the C++ iterator a moment
+        while id_cache.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert id_cache.stats().leases == 0, "the failed epoch's lease outlived its iterator and its error"
+    finally:
+        gc.enable()
