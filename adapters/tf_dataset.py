@@ -117,10 +117,10 @@ def make_tf_dataset(
         shards; its ``epochs`` (a :class:`~growcache.epoch.Epochs`) says what each epoch read:
         ``ds.epochs.latest.shards``, as a torch loader's ``loader.last_epoch.shards``; its
         ``stats()``, whether training waits on data, as ``loader.stats()`` (:func:`growcache.input_stats`).
-        Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise")``
-        save and restore the exact position in an epoch, as a torch loader's do (``consumed``:
-        the batches taken from the current iterator, unless an eager loop reads ``ds`` itself;
-        see docs/tensorflow.md); under Keras, :class:`growcache.adapters.keras.BackupAndRestore`.
+        Its ``state_dict(consumed=None)`` and ``load_state_dict(state, *, on_missing="raise",
+        replan=False)`` save and restore the exact position in an epoch, as a torch loader's do
+        (``consumed``: the batches taken from the current iterator, unless an eager loop reads
+        ``ds`` itself; see docs/tensorflow.md); under Keras, :class:`growcache.adapters.keras.BackupAndRestore`.
 
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.

@@ -251,23 +251,31 @@ class IteratorEpochs:
             self.done(latest)
         return state
 
-    def load_state_dict(self, state: Any, *, on_missing: str = "raise") -> None:
+    def load_state_dict(self, state: Any, *, on_missing: str = "raise", replan: bool = False) -> None:
         """Resume from ``state`` (from a growcache dataset's or loader's ``state_dict()``): the
         next iterator finishes the saved epoch, batch by batch as the uninterrupted run would
-        have; ``{"epoch": N}`` starts epoch ``N``. See :func:`growcache.resume.load_state`.
+        have; ``{"epoch": N}`` starts epoch ``N``. ``replan=True`` finishes it over another batch
+        size, shuffle buffer or ``drop_last``, each record the loop had not consumed once. See
+        :func:`growcache.resume.load_state`.
 
         Raises:
             ValueError: a damaged field (named), another cache's state, another layout, a
                 mid-epoch state of another kind of reader (:attr:`reader`); for a pipeline that
-                :attr:`replays`, a state of another number of readers.
+                :attr:`replays`, a state of another number of readers, or ``replan=True``.
             MissingShardsError: shards the rest of the epoch reads are gone (``on_missing="raise"``);
                 for a pipeline that replays, any shard of the saved epoch, whatever ``on_missing``.
         """
         if self.replays:
             checked = check_state(state)
+            if replan:
+                raise ValueError("replan=True re-plans the rest of an epoch record by record, but reader='tensorflow' "
+                                 "(or a schema without a fixed layout) reads a resumed epoch again from its start and "
+                                 "skips the saved batches whole: build the dataset as the saved run did (batch_size, "
+                                 f"shuffle_buffer, drop_remainder), or load {{'epoch': {checked['epoch']}}} to read "
+                                 "that epoch afresh")
             if checked["snapshot"] is not None and checked["plan"]["reader"] == self.reader:
                 self._check_replay(checked)
-        load_state(self.epochs, state, on_missing=on_missing, reader=self.reader)
+        load_state(self.epochs, state, on_missing=on_missing, replan=replan, reader=self.reader)
         self._follow = True
 
     def _check_replay(self, state: dict[str, Any]) -> None:

@@ -749,8 +749,8 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
         group = epochs.group
         if group.groups > 1 or (group.size > 1 and epochs.tops_up and not epochs._collective):
             raise ValueError(f"replan=True over another {', '.join(changed)} needs the ranks' batch counts evened "
-                             "out through torch.distributed, with split='shared'; finish the epoch with the saved "
-                             "layout instead")
+                             "out through torch.distributed, with split='shared' (make_tf_dataset's input pipelines "
+                             "cannot: re-plan only a lone pipeline); finish the epoch with the saved layout instead")
         if warn:
             logger.warning("the saved epoch was planned with another layout (%s): replan=True re-plans the rest of "
                            "it (each saved reader's undelivered records once, in this batch size and shuffle; ranks "

@@ -32,9 +32,9 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest,
 SHARDS = [37, 50, 23, 41, 60, 13, 29]  # 253 records, 32-33 batches of 8
 
 
-def _dataset(cache, **kwargs):
+def _dataset(cache, batch_size=8, **kwargs):
     kwargs = {"shuffle_buffer": 20, "seed": 3, "cycle_length": 3, **kwargs}
-    return make_tf_dataset(cache, 8, **kwargs)
+    return make_tf_dataset(cache, batch_size, **kwargs)
 
 
 def _ids(ds) -> list[list[int]]:
@@ -181,6 +181,35 @@ def test_a_state_resumes_only_in_the_kind_of_reader_that_saved_it(grown):
     ds = _dataset(grown, reader="tensorflow", cycle_length=1)
     ds.load_state_dict(states["tensorflow"])  # its own kind resumes
     assert ds.epochs.resume is not None
+
+
+def test_replan_true_finishes_the_epoch_over_another_batch_size_each_record_once(grown):
+    # The layout error tells the user to pass replan=True (a TensorFlow user who moves to more
+    # replicas changes the per-replica batch size): ds.load_state_dict took no replan= at all.
+    ds = _dataset(grown)
+    iterator = iter(ds)
+    before = [i for _ in range(5) for i in next(iterator)["id"].numpy().tolist()]
+    state = json.loads(json.dumps(ds.state_dict()))
+    del iterator
+    with pytest.raises(ValueError, match=r"batch_size 8 -> 16.*pass replan=True"):
+        _dataset(grown, batch_size=16).load_state_dict(state)
+    resumed = _dataset(grown, batch_size=16)
+    resumed.load_state_dict(state, replan=True)
+    after = [i for batch in _ids(resumed) for i in batch]
+    assert sorted(before + after) == list(range(sum(SHARDS))), "a record lost or read twice over the re-plan"
+    assert all(len(batch) <= 16 for batch in _ids(resumed))  # the next epoch: the new batch size, whole
+    # Several input pipelines cannot even out their batch counts over a re-plan: refused, said so.
+    pipeline = _dataset(grown, batch_size=4, input_context=tf.distribute.InputContext(2, 0, 2))
+    with pytest.raises(ValueError, match="make_tf_dataset's input pipelines cannot"):
+        pipeline.load_state_dict(state, replan=True)
+    # TFRecordDataset re-reads a resumed epoch and skips whole saved batches: it cannot re-plan.
+    tf_state = _dataset(grown, reader="tensorflow")
+    iterator = iter(tf_state)
+    next(iterator)
+    state = tf_state.state_dict()
+    del iterator
+    with pytest.raises(ValueError, match=r"replan=True .*reader='tensorflow'"):
+        _dataset(grown, reader="tensorflow", batch_size=16).load_state_dict(state, replan=True)
 
 
 def test_the_running_epochs_lease_lets_go_of_what_it_read_and_never_of_what_it_still_reads(grown):
