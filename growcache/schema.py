@@ -187,7 +187,8 @@ def _parse_feature(name: Any, value: Any) -> FeatureSpec:
         if isinstance(value, (str, bytes)) or len(value) not in (2, 3):
             raise ValueError(value)
         dtype_like, shape, *rest = value
-        dtype = np.dtype(dtype_like)
+        # A framework's dtype names its numpy one (tf.float32.as_numpy_dtype), without importing it here.
+        dtype = np.dtype(getattr(dtype_like, "as_numpy_dtype", dtype_like))
         shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     except (TypeError, ValueError) as exc:
         raise SchemaError(

@@ -280,6 +280,20 @@ def test_construction_errors_are_clear(tmp_path, id_cache):
     assert make_tf_dataset(str(id_cache.path), 4, features=ID_SCHEMA) is not None
 
 
+def test_a_schema_in_tensorflow_dtypes_reads_as_the_numpy_one(tmp_path, id_cache):
+    # What a TensorFlow user writes beside tf.io.FixedLenFeature: tf.float32, tf.TensorShape. It was
+    # refused as "expected (dtype, shape) ..., got (tf.int64, ())", which names no fault.
+    write_shards(id_cache, [3])
+    tf_spec = {"id": (tf.int64, ()), "x": (tf.float32, tf.TensorShape([4, 8]))}
+    ds = make_tf_dataset(id_cache, 4, features=tf_spec)
+    assert sorted(i for batch in read_epoch(ds) for i in batch) == [0, 1, 2]
+    with pytest.raises(SchemaMismatchError):
+        make_tf_dataset(id_cache, 4, features={"id": (tf.int32, ()), "x": (tf.float32, (4, 8))})
+    assert Schema(tf_spec) == ID_SCHEMA
+    with pytest.raises(SchemaError, match="dtype object is not supported"):
+        Schema({"s": (tf.string, ())})
+
+
 def test_empty_cache_waits_for_the_first_shard_then_gives_up(tmp_path):
     # Counted, not timed: the epoch looks at the empty cache again and again, and reads the shard
     # published while it waits (just before its third look).
