@@ -229,7 +229,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         return super().__iter__()
 
     def _deliver(self, epoch: Epoch, iterator: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
-        finished = False
+        finished = failed = False
         batches = self._host_batches(iterator)
         # What state_dict() counts: handed to the loop, not prefetched; taken round-robin (in_order),
         # the count also lets the epoch's lease go of shards read.
@@ -240,9 +240,15 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
                 epoch.consume(round_robin=round_robin, reader=self._stream.feed.handed_over())
                 yield batch
             finished = True
+        except BaseException as exc:
+            failed = not isinstance(exc, GeneratorExit)
+            raise
         finally:
             batches = None  # with its generators goes their reference to `iterator`
-            if finished or not (self.persistent_workers and self.num_workers):
+            if failed and self._iterator is not None:  # no loop reads on in a failed epoch: its persistent workers
+                self._iterator._shutdown_workers()  # stop, and it ends now with its lease (else held until a GC)
+                self._iterator = None
+            if finished or failed or not (self.persistent_workers and self.num_workers):
                 del iterator  # non-persistent workers shut down with their iterator
                 if not finished:
                     keep_pin(epoch)  # a state saved in it may be resumed

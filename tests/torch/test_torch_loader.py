@@ -190,6 +190,35 @@ def test_a_dead_persistent_worker_is_replaced_at_the_next_epoch(id_cache):
     loader.close()
 
 
+def _leases(cache) -> list:
+    return [lease for lease in cache._manifest.live_leases() if "until" not in lease]  # not resume pins
+
+
+@pytest.mark.parametrize("failure", ["dead worker", "corrupt shard"])
+def test_an_epoch_that_fails_ends_with_its_lease_at_once(id_cache, failure):
+    # A persistent loader left a failed epoch open for the next iter() to end: a loop that caught
+    # the error and built a new loader (the soak's reader) kept the old epoch's lease, and its
+    # shards on disk past the budget, until a garbage collection found the old loader's cycles.
+    written = write_shards(id_cache, [20] * 6)
+    if failure == "corrupt shard":
+        _flip_byte(id_cache.list_shards()[3].path, 7)
+    loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True, prefetch_factor=1,
+                               shuffle_buffer=0)
+    batches = iter(loader)
+    workers = list(loader._iterator._workers)
+    with pytest.raises((RuntimeError, CorruptShardError)):
+        for delivered, _ in enumerate(batches, 1):
+            if delivered == 3 and failure == "dead worker":
+                os.kill(workers[0].pid, signal.SIGKILL)
+    assert loader.last_epoch.ended and _leases(id_cache) == [], "the failed epoch still holds its lease"
+    # Its lease gone, no worker may read on in it: eviction may take its shards now.
+    assert not [w for w in workers if w.is_alive()], "a worker reads on in the ended epoch"
+    if failure == "dead worker":
+        assert sorted(_epoch(loader)) == written, "the next epoch reads with fresh workers"
+        assert _leases(id_cache) == []
+    loader.close()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_close_mid_epoch_stops_non_persistent_workers_and_their_reading(id_cache, context):
     # close() said it stopped the workers, yet non-persistent ones (owned by the epoch's
