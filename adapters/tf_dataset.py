@@ -27,7 +27,7 @@ from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 from tensorflow.python.framework import ops
 
 from growcache.cache import Cache
-from growcache.epoch import EpochOptions, Epochs, require_shards, resolve_schema
+from growcache.epoch import EpochOptions, Epochs, reader_cache, require_shards, resolve_schema
 from growcache.errors import SchemaError
 from growcache.example import ExampleCodec, tf_parse_plan
 from growcache.pull_feed import IteratorEpochs, SlabFeed
@@ -125,17 +125,16 @@ def make_tf_dataset(
     Raises:
         SchemaError: no schema stored or given, or ``label`` is not a feature.
         SchemaMismatchError: ``features`` differs from the cache's schema.
-        EmptyCacheError: the cache is empty and ``wait_for_shards`` is ``0``.
+        EmptyCacheError: the cache is empty and ``wait_for_shards`` is ``0``; no cache at the path after it.
         ValueError: an argument is out of range.
     """
-    if not isinstance(cache, Cache):
-        cache = Cache(cache)
-    schema = resolve_schema(cache, features)
-    if label is not None and label not in schema:
-        raise SchemaError(f"label={label!r} is not a feature of the cache's schema {list(schema)}")
     options = EpochOptions(batch_size, seed=seed, shuffle_buffer=shuffle_buffer, drop_last=drop_remainder,
                            verify=verify, on_corrupt=on_corrupt, wait_for_shards=wait_for_shards, split=split,
                            run_id=run_id)
+    cache = reader_cache(cache, options.wait_for_shards, features=features)
+    schema = resolve_schema(cache, features)
+    if label is not None and label not in schema:
+        raise SchemaError(f"label={label!r} is not a feature of the cache's schema {list(schema)}")
     if block_length < 1 or (cycle_length is not None and cycle_length < 1):
         raise ValueError("block_length and cycle_length must be >= 1")
     if reader not in _READERS:

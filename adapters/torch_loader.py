@@ -24,7 +24,7 @@ from growcache.adapters.cuda import EXTRA_SLOTS, CudaDelivery, SlotBatch, delive
 from growcache.adapters.tfrecord_frames import tfrecord_frames
 from growcache.batching import growcache_frames
 from growcache.cache import Cache
-from growcache.epoch import Epoch, EpochOptions, Epochs
+from growcache.epoch import Epoch, EpochOptions, Epochs, reader_cache
 from growcache.errors import ForeignLoaderError
 from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
@@ -304,7 +304,8 @@ def make_torch_loader(
     as whole shards over ``rank x worker``; see :mod:`growcache.epoch` for DDP.
 
     Args:
-        cache: a :class:`~growcache.Cache` or its directory (which must hold a schema).
+        cache: a :class:`~growcache.Cache` or its directory (which must hold a schema; one not
+            there yet is waited for up to ``wait_for_shards``, never created).
         batch_size: records per batch.
         num_workers: DataLoader worker processes; ``0`` reads in the training process.
             Default: ``2``.
@@ -339,6 +340,7 @@ def make_torch_loader(
 
     Raises:
         SchemaError: the cache has no schema.
+        EmptyCacheError: no cache at the path after ``wait_for_shards``.
         DeviceError: ``device`` names CUDA, or a CUDA device, that this process cannot use.
         TypeError: a ``DataLoader`` argument the loader sets itself (``shuffle``,
             ``sampler``, ``batch_sampler``, ``collate_fn``), with what to use instead; or
@@ -348,11 +350,10 @@ def make_torch_loader(
     for name in refused:
         hint = _REFUSED.get(name, "it is not an argument of make_torch_loader")
         raise TypeError(f"make_torch_loader() got {name}=: {hint}")
-    if not isinstance(cache, Cache):
-        cache = Cache(cache)
     options = EpochOptions(batch_size, seed=seed, shuffle_buffer=shuffle_buffer, drop_last=drop_last,
                            even_batches=even_batches, verify=verify, on_corrupt=on_corrupt,
                            wait_for_shards=wait_for_shards, split=split, run_id=run_id)
+    cache = reader_cache(cache, options.wait_for_shards)
     if reader not in _FRAMES:
         raise ValueError(f"reader must be one of {sorted(_FRAMES)}, got {reader!r}")
     if num_workers < 0:

@@ -61,6 +61,7 @@ from .errors import (
     SchemaError,
     SchemaMismatchError,
 )
+from .manifest import METADATA_FILE
 from .planning import (EpochPlan, ReadPoints, plan_epoch, read_points, reader_seed,
                        round_robin_progress)
 from .readers import ReaderSpec
@@ -88,6 +89,7 @@ __all__ = [
     "Epochs",
     "Group",
     "node_name",
+    "reader_cache",
     "require_shards",
     "resolve_schema",
     "run_id",
@@ -289,6 +291,35 @@ class EpochOptions:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if not isinstance(self.wait_for_shards, (int, float)) or self.wait_for_shards < 0:
             raise ValueError(f"wait_for_shards must be >= 0 seconds, got {self.wait_for_shards!r}")
+
+
+def reader_cache(cache: Cache | str | os.PathLike, wait_for_shards: float = 0.0, *,
+                 features: Schema | Mapping[str, Any] | None = None) -> Cache:
+    """The cache a reader reads: ``cache`` itself, or the cache at that path.
+
+    A path where no cache is yet (no ``growcache.json``) is waited for up to ``wait_for_shards``
+    seconds, as an empty cache is: a trainer may start before the samplers that create its cache.
+    Nothing is created meanwhile: opened, a mistyped path became an empty cache with no schema, and
+    the error said so instead of naming the path. With ``features`` (a reader that brings the
+    schema) the path is opened, and created, at once.
+
+    Raises:
+        EmptyCacheError: no cache at the path, after the wait.
+    """
+    if isinstance(cache, Cache) or features is not None:
+        return cache if isinstance(cache, Cache) else Cache(cache)
+    path = os.path.abspath(os.fspath(cache))
+    deadline = time.monotonic() + wait_for_shards
+    while not os.path.exists(os.path.join(path, METADATA_FILE)):
+        if time.monotonic() >= deadline:
+            where = "no such directory" if not os.path.exists(path) else f"it holds no {METADATA_FILE}"
+            waited = f" after waiting {wait_for_shards:g} s" if wait_for_shards else ""
+            raise EmptyCacheError(
+                f"there is no cache at {path} ({where}){waited}, and a reader creates none: check the path, or "
+                "start the samplers that fill it (SamplerPool, growcache sample) first, or pass "
+                "wait_for_shards=SECONDS to wait for them")
+        time.sleep(_POLL_S * 4)
+    return Cache(path)
 
 
 def resolve_schema(cache: Cache, features: Schema | Mapping[str, Any] | None = None) -> Schema:

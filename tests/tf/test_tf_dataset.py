@@ -278,6 +278,11 @@ def test_construction_errors_are_clear(tmp_path, id_cache):
         make_tf_dataset(Cache(tmp_path / "empty", schema=ID_SCHEMA), 4)
     # A path works too, and features= reads a cache that stores no schema.
     assert make_tf_dataset(str(id_cache.path), 4, features=ID_SCHEMA) is not None
+    # A path where no cache is: waited for, never created (a typo became an empty cache without schema).
+    typo = tmp_path / "cahce"
+    with pytest.raises(EmptyCacheError, match="no cache at .*cahce .*after waiting 0.2 s"):
+        make_tf_dataset(typo, 4, wait_for_shards=0.2)
+    assert not typo.exists()
 
 
 def test_a_schema_in_tensorflow_dtypes_reads_as_the_numpy_one(tmp_path, id_cache):

@@ -254,6 +254,22 @@ def test_empty_cache_waits_then_raises(tmp_path):
     assert growing.looks >= 3
 
 
+def test_a_path_without_a_cache_is_waited_for_and_never_created(tmp_path):
+    # A mistyped path became an empty cache with no schema, and the error said "stores no schema";
+    # a trainer started before its samplers failed the same way, whatever wait_for_shards said.
+    typo = tmp_path / "cahce"
+    with pytest.raises(EmptyCacheError, match=f"no cache at {typo} \\(no such directory\\).*check the path"):
+        make_torch_loader(typo, 2, num_workers=0)
+    assert not typo.exists(), "a reader created a cache at a path it was only to read"
+    later = tmp_path / "later"
+    maker = threading.Timer(0.5, lambda: write_shards(Cache(later, capacity="1MB", schema=ID_SCHEMA), [3, 3]))
+    maker.start()
+    try:
+        assert sorted(_epoch(make_torch_loader(later, 2, num_workers=0, wait_for_shards=60))) == list(range(6))
+    finally:
+        maker.join()
+
+
 def test_shard_lists_reach_workers_as_arrays(id_cache, tmp_path, monkeypatch):
     # What each DataLoader worker's reader is handed, recorded in the worker itself: forked
     # workers inherit this patch (the context is forced to fork so that they do).
