@@ -628,9 +628,11 @@ class Epochs:
         if shards.seed != options.seed:
             logger.warning("seed %d on this rank, but the group's first rank uses %d: using %d (pass the same seed "
                            "on every rank)", options.seed, shards.seed, shards.seed)
+        confirming = False
         try:
             plan = self._plan(snapshot.shards, shards, group, None)
             if agreement is not None:
+                confirming = True  # once: a collective confirmation is a gather every rank makes alike
                 reports = agreement.confirm(True, plan.rank_batches(group.rank))
                 failed = [rank for rank, (leased, _) in enumerate(reports or ()) if not leased]
                 if failed:
@@ -650,6 +652,10 @@ class Epochs:
                     plan = self._plan(snapshot.shards, shards, group, target)
         except BaseException:
             snapshot.close()
+            if agreement is not None and not confirming:
+                # The other ranks must not read on without this one (over epoch files, a first
+                # rank's failure is told to the others, naming the error handled here).
+                agreement.confirm(False, 0)
             raise
         epoch = Epoch(self, next(self._tokens), shards, snapshot, plan, agreement)
         with self._lock:

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -121,6 +122,12 @@ class Agreement(Protocol):
 
     def confirm(self, leased: bool, batches: int) -> list[tuple[bool, int]] | None:
         """Say that this rank leased the shards (or failed to) and yields ``batches`` batches.
+
+        Called once per agreement, before the rank reads: ``leased=False`` also where the rank's
+        start failed after the agreement (its error is being handled), so that no other rank
+        reads on without it. Over epoch files a first rank's failure is told to the others
+        (naming the error it handles), and a rank that leased returns only once the first rank
+        confirmed the epoch too.
 
         Returns every rank's ``(leased, batches)``, in rank order, where the rendezvous is
         collective (so that groups can agree on one batch count); ``None`` otherwise.
@@ -447,6 +454,14 @@ class FileRendezvous:
     does not wait (it may end its epoch before the others start theirs): a refusal already there
     at its ``confirm`` raises there, a later one at its next epoch's start.
 
+    A rank that leased reads only once the first rank *confirmed* the epoch (it marks its file
+    so at its own ``confirm``, after its plan and, resuming, every rank's answer), and then says
+    it started: the first rank's epoch file goes only once every rank started, refused or could
+    not lease. A first rank whose start fails after it published (``confirm(False, 0)``) replaces
+    its file with that error, and every rank raises it: one waiting for the confirmation, one
+    that has yet to read the file, one still leasing. So does a rank waiting for a first rank
+    that takes the epoch again, removes the file, or dies. These waits are bounded too.
+
     Args:
         cache_dir: the cache directory the group reads (its ``epochs/`` holds the files).
         key: the group's identity (run id, group name, and which of the process's readers).
@@ -471,7 +486,11 @@ class FileRendezvous:
         self.file_mode = file_mode
         self._raised: dict[int, str] = {}  # epoch -> the attempt whose error this rank raised
         self._taken: list[_FileAgreement] = []  # the first rank's epochs whose answers it may yet raise for
-        self._lock = threading.Lock()
+        # The first rank's: the attempt of each epoch file it wrote and has not removed. Only that
+        # attempt's agreement removes the files of its epoch: an earlier attempt's release (held
+        # for a late rank) must not remove the files of the attempt that replaced it.
+        self._current: dict[int, str] = {}
+        self._lock = threading.RLock()
         Manifest(cache_dir).make_subdir(self.dir, dir_mode)  # never a link: epochs/ is written and swept
 
     def path(self, epoch: int) -> str:
@@ -493,12 +512,11 @@ class FileRendezvous:
                     "agree on the epoch. Remove it (growcache deletes no directory) and start again.")
             with self._lock:  # an earlier attempt's files go below: its answers are no one's now
                 self._taken = [agreement for agreement in self._taken if agreement._epoch != epoch]
-            _unlink_quiet(path)  # a failed earlier attempt's error, which a retrying rank must not read
-            # Acknowledgements of this epoch left by a killed run (restarted with the same run id
-            # within the sweep's grace) or by an earlier attempt: they answer another attempt, and
-            # are no answer to this one, but go with it.
-            for rank in range(1, self.size):
-                _unlink_quiet(self.ack_path(epoch, rank))
+                # A failed earlier attempt's error, which a retrying rank must not read, and
+                # acknowledgements of this epoch left by a killed run (restarted with the same run id
+                # within the sweep's grace) or by an earlier attempt: they answer another attempt,
+                # and are no answer to this one, but go with it.
+                self._withdraw(epoch, None)
             shards = take()
             agreement = _FileAgreement(self, epoch, shards, True, self._publish(epoch, shards), note)
             with self._lock:
@@ -507,18 +525,36 @@ class FileRendezvous:
         shards, attempt = self._wait_for(epoch, path)
         return _FileAgreement(self, epoch, shards, False, attempt, note)
 
-    def _publish(self, epoch: int, shards: EpochShards) -> str:
-        """Write epoch ``epoch``'s file (the first rank); returns its attempt."""
+    def _publish(self, epoch: int, shards: EpochShards, attempt: str = "", confirmed: bool = False) -> str:
+        """Write epoch ``epoch``'s file (the first rank); returns its attempt (``attempt``: the
+        one it rewrites, marked ``confirmed``; ``""``: a new one)."""
         path = self.path(epoch)
-        attempt = secrets.token_hex(8)
+        attempt = attempt or secrets.token_hex(8)
         pid, start = _proc.this_process()
         body = {**shards.to_json(), "key": [str(k) for k in self.key], "pid": pid, "start_time": start,
-                "host": _proc.this_host(), "created": time.time(), "expiry": _proc.beat_expiry(), "attempt": attempt}
-        atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
-        # Its heartbeat is the evidence that lets ranks in another process table (another
-        # machine or container) tell this live file from a dead run's.
-        _proc.keep_alive(path)
+                "host": _proc.this_host(), "created": time.time(), "expiry": _proc.beat_expiry(), "attempt": attempt,
+                "confirmed": confirmed}
+        with self._lock:
+            if confirmed and self._current.get(epoch) != attempt:
+                return attempt  # a later attempt replaced it (or it failed): not confirmed
+            atomic_write_bytes(path, json.dumps(body, sort_keys=True).encode(), self.file_mode)
+            self._current[epoch] = attempt
+            # Its heartbeat is the evidence that lets ranks in another process table (another
+            # machine or container) tell this live file from a dead run's.
+            _proc.keep_alive(path)
         return attempt
+
+    def _withdraw(self, epoch: int, attempt: str | None) -> bool:
+        """Remove epoch ``epoch``'s file and acknowledgements if its file is attempt ``attempt``'s
+        (``None``: whichever); ``False`` where a later attempt replaced it (its files are its own)."""
+        with self._lock:
+            if attempt is not None and self._current.get(epoch) != attempt:
+                return False
+            self._current.pop(epoch, None)
+            _proc.let_go(self.path(epoch))
+            for name in [self.path(epoch), *(self.ack_path(epoch, rank) for rank in range(1, self.size))]:
+                _unlink_quiet(name)
+            return True
 
     def _raise_refusals(self) -> None:
         """The first rank: raise, once, for the refusals of its earlier epochs that it has not raised for."""
@@ -580,60 +616,99 @@ class _FileAgreement:
         self.took = took
         self._attempt = attempt  # of the epoch file this agreement answers, or wrote
         self._note = note  # what this rank resumes, told with a refusal
-        # The first rank's: each rank's answer to this attempt (final once given), and why a
-        # rank's answer file is no answer.
+        # The first rank's: each rank's answer to this attempt (final once it refused, could not
+        # lease, or started), and why a rank's answer file is no answer.
         self._answers: dict[int, dict[str, Any]] = {}
         self._unread: dict[int, str] = {}
         self._told = False  # the first rank raised for a refusal of this epoch
         self._finished = False  # its files went (release)
+        self._over = False  # confirmed, refused or failed: a later confirm (a caller's cleanup) does nothing
         self._lock = threading.Lock()
 
     def confirm(self, leased: bool, batches: int) -> None:
+        if self._over:
+            return None
+        self._over = True
         if not self.took:
             # The acknowledgement lets the first rank drop its lease: this rank holds the shards
             # in a lease of its own now, or could not lease them and will not read them.
             self._answer(leased=leased, refused=False)
-        elif leased:
+            if leased:
+                self._await_confirmation()
+        elif not leased:
+            self._abort()
+        else:
             self._hear(wait=bool(self.shards.note))
+            self._rendezvous._publish(self._epoch, self.shards, self._attempt, confirmed=True)
         return None
 
     def give_up(self) -> None:
-        if not self.took:
+        if not self.took and not self._over:
+            self._over = True
             self._answer(leased=False, refused=True)
 
-    def _answer(self, *, leased: bool, refused: bool) -> None:
+    def _answer(self, *, leased: bool, refused: bool, started: bool = False) -> None:
         pid, start = _proc.this_process()
         body = {"pid": pid, "start_time": start, "host": _proc.this_host(), "created": time.time(),
-                "attempt": self._attempt, "leased": leased, "refused": refused, "note": self._note}
+                "attempt": self._attempt, "leased": leased, "refused": refused, "started": started,
+                "note": self._note}
         atomic_write_bytes(self._rendezvous.ack_path(self._epoch, self._rendezvous.rank),
                            json.dumps(body).encode(), self._rendezvous.file_mode)
 
+    def _await_confirmation(self) -> None:
+        """A rank that leased: return once the first rank confirmed this attempt (then say this rank
+        started); raise if it failed, took the epoch again, removed its file or died instead."""
+        rendezvous, epoch = self._rendezvous, self._epoch
+        path = rendezvous.path(epoch)
+        deadline = time.monotonic() + rendezvous.wait
+        while True:
+            body = _read_epoch_file(path)
+            if body is not None and _writer_lives(body) and body.get("attempt") == self._attempt:
+                if body.get("confirmed") is True:
+                    self._answer(leased=True, refused=False, started=True)
+                    return
+                why = "" if time.monotonic() < deadline else (
+                    f"the group's first rank did not confirm it within {rendezvous.wait:.0f} s (it may be stuck)")
+            elif body is not None and _writer_lives(body) and body.get("error"):
+                if body.get("attempt"):
+                    rendezvous._raised[epoch] = body["attempt"]  # a retry waits for the first rank's own
+                why = str(body["error"])
+            elif body is not None and _writer_lives(body):
+                why = "the group's first rank took the epoch again before it confirmed the attempt this rank leased"
+            elif body is None:
+                why = ("the group's first rank removed its epoch file before it confirmed the epoch (it took the "
+                       f"epoch again, or this rank answered more than {rendezvous.timeout:.0f} s late)")
+            else:
+                why = f"the group's first rank (pid {body.get('pid')}) is gone: it died before it confirmed the epoch"
+            if why:
+                _unlink_quiet(rendezvous.ack_path(epoch, rendezvous.rank))  # an answer to an attempt that is over
+                raise EpochSyncError(
+                    f"rank {rendezvous.rank} of {rendezvous.size} leased epoch {epoch} from the epoch file {path} but "
+                    f"does not read it: {why}. Every rank stops rather than read without the group's first rank.")
+            time.sleep(_POLL_S)
+
     def release(self, close: Callable[[], None]) -> None:
         rendezvous, epoch = self._rendezvous, self._epoch
-        acks = [rendezvous.ack_path(epoch, r) for r in range(1, rendezvous.size)]
 
         def done() -> None:
             try:
                 close()
             finally:
-                _proc.let_go(rendezvous.path(epoch))
-                for name in [rendezvous.path(epoch), *acks]:
-                    _unlink_quiet(name)
+                rendezvous._withdraw(epoch, self._attempt)  # none where a later attempt replaced this one
                 self._finished = True
                 refusal = self._refusal(self._answers_now())
                 if refusal and not self._told:  # raised at the first rank's next epoch's start
                     logger.error("%s", refusal)
 
-        _KEEPER.hold(lambda: len(self._answers_now()) == rendezvous.size - 1, done,
-                     time.monotonic() + rendezvous.timeout)
+        _KEEPER.hold(lambda: self._all_final(), done, time.monotonic() + rendezvous.timeout)
 
     # -- the first rank hears the others -------------------------------------------------------------------
     def _answers_now(self) -> dict[int, dict[str, Any]]:
-        """Every rank's answer to this attempt so far, by rank (each file read until it answers)."""
+        """Every rank's latest answer to this attempt so far, by rank (each file read until its answer is final)."""
         rendezvous = self._rendezvous
         with self._lock:
             for rank in range(1, rendezvous.size):
-                if rank not in self._answers:
+                if rank not in self._answers or not _final(self._answers[rank]):
                     answer, why = _read_answer(rendezvous.ack_path(self._epoch, rank), self._attempt)
                     if answer is not None:
                         self._answers[rank] = answer
@@ -642,6 +717,10 @@ class _FileAgreement:
                     else:
                         self._unread.pop(rank, None)
             return dict(self._answers)
+
+    def _all_final(self) -> bool:
+        answers = self._answers_now()
+        return len(answers) == self._rendezvous.size - 1 and all(map(_final, answers.values()))
 
     def _hear(self, wait: bool) -> None:
         """Raise if a rank refused the epoch; ``wait``: wait for every rank's answer, and raise
@@ -669,6 +748,7 @@ class _FileAgreement:
                            "same step; every rank must be running.")
             if problem:
                 self._fail(problem)
+                raise EpochSyncError(problem)
             if not wait or len(answers) == rendezvous.size - 1:
                 return
             time.sleep(_POLL_S)
@@ -691,23 +771,44 @@ class _FileAgreement:
         self._told = self._told or bool(problem)
         return problem
 
+    def _abort(self) -> None:
+        """The first rank's start failed after it published the epoch (the error being handled,
+        if any, says why): the other ranks must not read it."""
+        error = sys.exc_info()[1]
+        why = f"{type(error).__name__}: {error}" if error is not None else "its start failed (see its error)"
+        try:
+            self._fail(f"epoch {self._epoch}: the group's first rank failed after it published the epoch, so no "
+                       f"rank reads it: {why}")
+        except OSError as exc:  # the first rank raises its own error; the others wait for their bound
+            logger.error("could not tell the other ranks of epoch %d that this first rank failed (%s)", self._epoch,
+                         exc)
+
     def _fail(self, problem: str) -> None:
-        """The first rank raises ``problem`` instead of reading the epoch. Its epoch file says so
-        from now on, for the ranks that have yet to answer it (it goes if none has)."""
+        """The first rank will not read the epoch, for ``problem``. Its epoch file says so from now
+        on, for the ranks that have yet to answer it and those that wait for its confirmation (it
+        goes if every rank refused or could not lease: none reads it)."""
         rendezvous = self._rendezvous
         self._told = True
         with rendezvous._lock:
             if self in rendezvous._taken:
                 rendezvous._taken.remove(self)
-        unanswered = len(self._answers_now()) < rendezvous.size - 1
-        for rank in range(1, rendezvous.size):
-            _unlink_quiet(rendezvous.ack_path(self._epoch, rank))
-        if unanswered:
+        answers = self._answers_now()
+        waiting = len(answers) < rendezvous.size - 1 or any(answer["leased"] for answer in answers.values())
+        with rendezvous._lock:
+            if rendezvous._current.get(self._epoch) != self._attempt:
+                return  # a later attempt replaced this one: its files are its own
+            if not waiting:
+                rendezvous._withdraw(self._epoch, self._attempt)
+                return
+            for rank in range(1, rendezvous.size):  # answers to this attempt, which is over
+                _unlink_quiet(rendezvous.ack_path(self._epoch, rank))
+            # Replaced in one rename: a rank waiting for the confirmation never finds the file gone.
             rendezvous._publish(self._epoch, replace(self.shards, error=problem, error_type="EpochSyncError"))
-        else:  # every rank answered already: none will read it
-            _proc.let_go(rendezvous.path(self._epoch))
-            _unlink_quiet(rendezvous.path(self._epoch))
-        raise EpochSyncError(problem)
+
+
+def _final(answer: dict[str, Any]) -> bool:
+    """Whether a rank's answer is its last to its attempt: it refused, could not lease, or started reading."""
+    return answer["refused"] or not answer["leased"] or answer["started"]
 
 
 def remove_stale_epoch_files(cache_dir: str) -> int:
@@ -825,6 +926,10 @@ def _epoch_file_problem(body: dict[str, Any]) -> str:
         return "its names are not a list of strings"
     if not isinstance(body.get("note") or "", str):
         return "its note is not a string"
+    if not isinstance(body.get("error") or "", str) or not isinstance(body.get("error_type") or "", str):
+        return "its error or error_type is not a string"
+    if not isinstance(body.get("confirmed", False), bool):
+        return f"its confirmed is {body['confirmed']!r}, not true or false"
     if "attempt" in body and not (isinstance(body["attempt"], str) and _ATTEMPT.fullmatch(body["attempt"])):
         return f"its attempt is {body['attempt']!r}, not 16 hexadecimal digits"
     return ""
@@ -843,8 +948,9 @@ def _read_answer(path: str, attempt: str) -> tuple[dict[str, Any] | None, str]:
     body = read[0]
     if not (isinstance(body.get("attempt"), str) and _ATTEMPT.fullmatch(body["attempt"])):
         problem = f"its attempt is {body.get('attempt')!r}, not 16 hexadecimal digits"
-    elif not (isinstance(body.get("leased"), bool) and isinstance(body.get("refused"), bool)):
-        problem = f"its leased and refused are {body.get('leased')!r} and {body.get('refused')!r}, not true or false"
+    elif not all(isinstance(body.get(field), bool) for field in ("leased", "refused", "started")):
+        problem = (f"its leased, refused and started are {body.get('leased')!r}, {body.get('refused')!r} and "
+                   f"{body.get('started')!r}, not true or false")
     elif not isinstance(body.get("note"), str):
         problem = f"its note is {type(body.get('note')).__name__}, not a string"
     elif body["attempt"] != attempt:
