@@ -28,7 +28,7 @@ from growcache.epoch import Epoch, EpochOptions, Epochs, reader_cache
 from growcache.errors import ForeignLoaderError
 from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
-from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, keep_pin, release_kept_pins
+from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, end_when_dropped, keep_pin, release_kept_pins
 from growcache.transport import COPY_BELOW, SlotHandle
 from growcache.worker_feed import Unslotted, WorkerFeed
 
@@ -132,6 +132,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         self._closed = False
         self._delivering: Any = lambda: None  # a weak reference to the epoch handed out last
         self._meter = InputMeter(epochs, gather=lambda figures: _all_gather(figures) if _world() else [figures])
+        end_when_dropped(self, epochs)
         if delivery is not None:
             delivery.bind(self)
         # What users and trainers read is what the loader does (DataLoader itself forms no batches, and

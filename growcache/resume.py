@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,6 +65,7 @@ __all__ = [
     "Resume",
     "ResumableLoader",
     "check_state",
+    "end_when_dropped",
     "keep_pin",
     "load_state",
     "loader_state",
@@ -178,6 +180,20 @@ def keep_pin(epoch: Epoch) -> None:
     if epoch.pin is not None:
         epoch.epochs.__dict__.setdefault("_kept_pins", []).append(epoch.pin)
         epoch.pin = None
+
+
+def end_when_dropped(loader: Any, epochs: Epochs) -> None:
+    """End the open epochs of ``epochs`` when ``loader`` is collected without ``close()``, the last
+    one's pin kept (:func:`keep_pin`). An epoch's lease is held through a cycle (the epoch and its
+    ``Epochs``) that only a garbage collection frees: a loader dropped with an epoch open (left by
+    ``break`` with persistent workers) kept its shards on disk past the budget until then."""
+    weakref.finalize(loader, _end_dropped, epochs)
+
+
+def _end_dropped(epochs: Epochs) -> None:
+    if epochs.latest is not None and not epochs.latest.ended:
+        keep_pin(epochs.latest)
+    epochs.end_all()
 
 
 # -- the state ----------------------------------------------------------------------------------

@@ -219,6 +219,25 @@ def test_an_epoch_that_fails_ends_with_its_lease_at_once(id_cache, failure):
     loader.close()
 
 
+def test_a_loader_dropped_mid_epoch_lets_its_lease_go_without_a_garbage_collection(id_cache):
+    # Persistent workers leave an epoch left by `break` open for the next iter(); a loader dropped
+    # instead (a trainer's loop ending at max_steps) kept it, and its shards on disk past the budget,
+    # until a garbage collection freed the cycle that holds an epoch's lease.
+    import gc
+
+    write_shards(id_cache, [20] * 6)
+    gc.disable()
+    try:
+        loader = make_torch_loader(id_cache, 2, num_workers=2, persistent_workers=True)
+        for _ in loader:
+            break
+        assert _leases(id_cache), "the epoch left by break is leased while its loader lives"
+        del loader, _
+        assert _leases(id_cache) == [], "a dropped loader's epoch still holds its lease"
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_close_mid_epoch_stops_non_persistent_workers_and_their_reading(id_cache, context):
     # close() said it stopped the workers, yet non-persistent ones (owned by the epoch's
