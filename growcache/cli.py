@@ -316,7 +316,7 @@ def _parse_shape(text: Any) -> Any:
     return shape
 
 
-def _check_record_fits(cache: Any, shard_size: int | None) -> None:
+def _check_record_fits(cache: Any, shard_size: int | str | None) -> None:
     """A usage error, in the command's flags, when one record of the cache's schema cannot fit in a shard."""
     from .example import ExampleCodec
     from .records import FOOTER_BYTES, HEADER_BYTES
@@ -324,7 +324,7 @@ def _check_record_fits(cache: Any, shard_size: int | None) -> None:
 
     frame = ExampleCodec(cache.schema).record_nbytes + HEADER_BYTES + FOOTER_BYTES
     if shard_size is not None:
-        if frame > shard_size:
+        if frame > parse_size(shard_size, name="--shard-size"):  # "1KB" from a caller's Namespace, as elsewhere
             raise ValueError(f"--shard-size {shard_size} is smaller than one record ({format_size(frame)}): raise "
                              f"--shard-size to at least {frame} (a few percent of the capacity is typical)")
         return

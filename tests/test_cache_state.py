@@ -224,6 +224,7 @@ def test_a_stale_acknowledgement_of_a_killed_run_never_lets_the_new_epoch_file_g
         json.dump({"pid": 1, "start_time": 1, "host": None, "created": 0}, f)
     shard = id_cache.list_shards()[0]
     agreement = first.share(0, lambda: EpochShards(0, 0, (shard.seq,), (os.path.basename(shard.path),)))
+    agreement.confirm(True, 1)  # the first rank leased and reads, as Epochs.start has it do
     closed = threading.Event()
     agreement.release(closed.set)  # the first rank ends its epoch: its file waits for rank 1
     time.sleep(0.5)
