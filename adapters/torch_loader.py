@@ -28,7 +28,8 @@ from growcache.epoch import Epoch, EpochOptions, Epochs, reader_cache
 from growcache.errors import ForeignLoaderError
 from growcache.metrics import InputMeter, MeteredLoader
 from growcache.readers import ReaderSpec
-from growcache.resume import DEFAULT_RESUME_TTL, ResumableLoader, end_when_dropped, keep_pin, release_kept_pins
+from growcache.resume import (DEFAULT_RESUME_TTL, ResumableLoader, end_epochs, end_when_dropped, keep_pin,
+                              release_kept_pins)
 from growcache.transport import COPY_BELOW, SlotHandle
 from growcache.worker_feed import Unslotted, WorkerFeed
 
@@ -168,9 +169,7 @@ class GrowcacheLoader(ResumableLoader, MeteredLoader, DataLoader):
         if self._iterator is not None:  # persistent workers
             self._iterator._shutdown_workers()
             self._iterator = None
-        if self.last_epoch is not None and not self.last_epoch.ended:
-            keep_pin(self.last_epoch)  # a state saved in it may be resumed
-        self.epochs.end_all()
+        end_epochs(self.epochs, self.last_epoch)  # its pin kept, if unfinished: a state saved in it may be resumed
         self._stream.feed.close()
 
     def __enter__(self) -> GrowcacheLoader:

@@ -24,6 +24,7 @@ import numpy as np
 from ._progress import DEFAULT_INTERVAL, Progress
 from ._size import format_size, parse_size
 from .errors import GrowcacheError, SchemaError
+from .manifest import METADATA_FILE
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main", "parse_storage_options", "run_sample_command"]
 
@@ -320,7 +321,7 @@ def _check_record_fits(cache: Any, shard_size: int | str | None) -> None:
     """A usage error, in the command's flags, when one record of the cache's schema cannot fit in a shard."""
     from .example import ExampleCodec
     from .records import FOOTER_BYTES, HEADER_BYTES
-    from .sampler import DEFAULT_SHARD_SIZE
+    from .sampler import default_shard_size
 
     frame = ExampleCodec(cache.schema).record_nbytes + HEADER_BYTES + FOOTER_BYTES
     if shard_size is not None:
@@ -328,7 +329,7 @@ def _check_record_fits(cache: Any, shard_size: int | str | None) -> None:
             raise ValueError(f"--shard-size {shard_size} is smaller than one record ({format_size(frame)}): raise "
                              f"--shard-size to at least {frame} (a few percent of the capacity is typical)")
         return
-    size = min(DEFAULT_SHARD_SIZE, max(1, cache.capacity // 4))  # SamplerPool's default shard size
+    size = default_shard_size(cache.capacity)
     if frame > size:
         # The capacity may be one a failed earlier run stored: say where it comes from.
         raise ValueError(
@@ -710,7 +711,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
     for path in left:  # import these, and only these, to finish: a file imported twice has its records twice
         print(f"NOT IMPORTED {path}")
     held = ""
-    if os.path.exists(os.path.join(args.cache, "growcache.json")):
+    if os.path.exists(os.path.join(args.cache, METADATA_FILE)):
         from .cache import Cache
 
         cs = Cache(args.cache).stats()

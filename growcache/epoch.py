@@ -306,8 +306,10 @@ def reader_cache(cache: Cache | str | os.PathLike, wait_for_shards: float = 0.0,
     Raises:
         EmptyCacheError: no cache at the path, after the wait.
     """
-    if isinstance(cache, Cache) or features is not None:
-        return cache if isinstance(cache, Cache) else Cache(cache)
+    if isinstance(cache, Cache):
+        return cache
+    if features is not None:
+        return Cache(cache)
     path = os.path.abspath(os.fspath(cache))
     deadline = time.monotonic() + wait_for_shards
     while not os.path.exists(os.path.join(path, METADATA_FILE)):

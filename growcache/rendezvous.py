@@ -700,7 +700,7 @@ class _FileAgreement:
                 if refusal and not self._told:  # raised at the first rank's next epoch's start
                     logger.error("%s", refusal)
 
-        _KEEPER.hold(lambda: self._all_final(), done, time.monotonic() + rendezvous.timeout)
+        _KEEPER.hold(self._all_final, done, time.monotonic() + rendezvous.timeout)
 
     # -- the first rank hears the others -------------------------------------------------------------------
     def _answers_now(self) -> dict[int, dict[str, Any]]:

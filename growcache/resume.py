@@ -65,6 +65,7 @@ __all__ = [
     "Resume",
     "ResumableLoader",
     "check_state",
+    "end_epochs",
     "end_when_dropped",
     "keep_pin",
     "load_state",
@@ -182,18 +183,22 @@ def keep_pin(epoch: Epoch) -> None:
         epoch.pin = None
 
 
-def end_when_dropped(loader: Any, epochs: Epochs) -> None:
-    """End the open epochs of ``epochs`` when ``loader`` is collected without ``close()``, the last
-    one's pin kept (:func:`keep_pin`). An epoch's lease is held through a cycle (the epoch and its
-    ``Epochs``) that only a garbage collection frees: a loader dropped with an epoch open (left by
-    ``break`` with persistent workers) kept its shards on disk past the budget until then."""
-    weakref.finalize(loader, _end_dropped, epochs)
-
-
-def _end_dropped(epochs: Epochs) -> None:
-    if epochs.latest is not None and not epochs.latest.ended:
-        keep_pin(epochs.latest)
+def end_epochs(epochs: Epochs, last: Epoch | None = None) -> None:
+    """End every open epoch of ``epochs`` (a loader closed or dropped: none of its readers will read
+    again); ``last`` (default: the latest), if unfinished, keeps its pin (:func:`keep_pin`): a state
+    saved in it may be resumed."""
+    last = epochs.latest if last is None else last
+    if last is not None and not last.ended:
+        keep_pin(last)
     epochs.end_all()
+
+
+def end_when_dropped(loader: Any, epochs: Epochs) -> None:
+    """:func:`end_epochs` when ``loader`` is collected without ``close()``. An epoch's lease is held
+    through a cycle (the epoch and its ``Epochs``) that only a garbage collection frees: a loader
+    dropped with an epoch open (left by ``break`` with persistent workers) kept its shards on disk
+    past the budget until then."""
+    weakref.finalize(loader, end_epochs, epochs)
 
 
 # -- the state ----------------------------------------------------------------------------------

@@ -126,6 +126,12 @@ _GATHER_S = 0.002  # finished samples a concurrent worker lets gather before it 
 _MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
 
 
+def default_shard_size(capacity: int) -> int:
+    """The shard size of a pool given none, for a cache of ``capacity`` bytes: a small cache
+    still gets a few shards' worth of rotation without configuration."""
+    return min(DEFAULT_SHARD_SIZE, max(1, capacity // 4))
+
+
 def worker_rng(seed: int, worker: int, restart: int, run: int = 0) -> np.random.Generator:
     """The RNG of ``worker`` after ``restart`` restarts, in the ``run``-th pool started on its cache.
 
@@ -491,8 +497,7 @@ class SamplerPool:
                                        or stop_after < 1):
             raise ValueError(f"stop_after must be a positive number of records or None, got {stop_after!r}")
         if shard_size is None:
-            # A small cache still gets a few shards' worth of rotation without configuration.
-            size = min(DEFAULT_SHARD_SIZE, max(1, cache.capacity // 4))
+            size = default_shard_size(cache.capacity)
         else:
             size = parse_size(shard_size, name="shard_size")
         if size > cache.capacity:
