@@ -16,6 +16,10 @@ Contenders, each on the same store and windows:
   in flight on one event loop through ``_cat_file``, and a writer thread that frames each window as
   a TFRecord record with its CRC32C (growcache's framing functions), appends it to 64 MiB files, fsyncs, renames and deletes the oldest past
   2 GiB. Its CPU per GB is the floor of "fetch and shard writing" with these libraries on this host;
+* ``bare_fetch_c64`` and ``floor_bare_write_c64``: no HTTP library either: 64 bare HTTP/1.1 keep-alive
+  connections on one event loop, each receiving its bodies into one reused buffer (asyncio's
+  ``BufferedProtocol``), only fetching, or also writing each window as the floor does, inline on
+  the same thread. The second is the least CPU per GB any sampler could spend here;
 * ``ideal``: in-flight x window size / latency, for 32 in flight.
 
 Reported per contender: MB/s and samples/s over a measured window after the first sample,
@@ -45,9 +49,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import shutil
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -240,8 +245,6 @@ def run_pool(urls: list[str], window: int, workers: int, concurrency: int, secon
             time.sleep(0.02)
     finally:
         final = pool.stop()
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)  # each contender's cache goes: dozens of them fill a disk
     samples = s1.records_written - s0.records_written
     payload = samples * sample_bytes
@@ -288,47 +291,75 @@ def run_plain(urls: list[str], window: int, threads: int, seconds: float) -> dic
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "first_shard_s": None}
 
 
-def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tmp: str,
-              shard_bytes: int = 64 << 20, keep_bytes: int = 2 << 30) -> dict:
+class _FloorWriter:
+    """What a sampler cannot skip to write a window: frame it as a TFRecord record with its CRC32C
+    (growcache's ``frame_header``/``frame_footer``), append it to a 64 MiB file with ``writev``, fsync
+    and rename each full file, and delete the oldest past ``keep_bytes`` (as eviction does)."""
+
+    def __init__(self, folder: str, shard_bytes: int = 64 << 20, keep_bytes: int = 2 << 30) -> None:
+        from growcache.records import crc32c, frame_footer, frame_header
+
+        self._frame = (frame_header, frame_footer, crc32c)
+        self.folder, self.shard_bytes, self.keep_bytes = folder, shard_bytes, keep_bytes
+        self.fd: int | None = None
+        self.size = self.count = self.written = 0
+        self.files: list[str] = []
+
+    def write(self, data: Any) -> None:
+        header, footer, crc = self._frame
+        if self.fd is None:
+            self.path = os.path.join(self.folder, f"tmp-{self.count}")
+            self.fd, self.size = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 0
+            self.count += 1
+        os.writev(self.fd, [header(len(data)), data, footer(crc(data))])
+        self.size += len(data) + 16
+        self.written += 1
+        if self.size >= self.shard_bytes:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            os.rename(self.path, self.path + ".tfrecord")
+            self.files.append(self.path + ".tfrecord")
+            self.fd = None
+            while len(self.files) * self.shard_bytes > self.keep_bytes:
+                os.unlink(self.files.pop(0))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _measured(count: Callable[[], int], seconds: float, window: int) -> dict:
+    """Rate and CPU of this process over ``seconds``, after a warm-up, as ``count()`` counts windows."""
+    time.sleep(min(1.0, seconds / 3))
+    c0, t0, cpu0 = count(), time.monotonic(), time.process_time()
+    time.sleep(seconds)
+    c1, t1, cpu1 = count(), time.monotonic(), time.process_time()
+    payload = (c1 - c0) * window * ROW_BYTES
+    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": (c1 - c0) / (t1 - t0),
+            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None, "first_shard_s": None}
+
+
+def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tmp: str) -> dict:
     """The least work a sampler must do, with none of growcache's code: fetch and write, nothing else.
 
     One event loop keeps ``concurrency`` reads in flight through the filesystem's ``_cat_file`` (as
-    a sampler's engine does); one writer thread frames each window as a TFRecord record (growcache's
-    ``frame_header``/``frame_footer``, the few lines of it a sampler cannot skip), appends it to a 64 MiB file
-    with ``writev``, fsyncs and renames each full file, and deletes the oldest past 2 GiB (as
-    eviction does). Its CPU per GB is the floor of "fetch and shard writing" with these libraries on
-    this host: the sampler's figure is read against it.
+    a sampler's engine does); one writer thread writes each window as :class:`_FloorWriter` does.
+    Its CPU per GB is the floor of "fetch and shard writing" with these libraries on this host: the
+    sampler's figure is read against it.
     """
-    import asyncio
     import queue
 
     import fsspec
 
-    from growcache.records import crc32c, frame_footer, frame_header
-
     folder = tempfile.mkdtemp(dir=tmp)
     done: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-    written = [0]
+    out = _FloorWriter(folder)
 
     def writer() -> None:
-        fd, size, files, n = None, 0, [], 0
         while (data := done.get()) is not None:
-            if fd is None:
-                path = os.path.join(folder, f"tmp-{n}")
-                fd, size, n = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 0, n + 1
-            os.writev(fd, [frame_header(len(data)), data, frame_footer(crc32c(data))])
-            size += len(data) + 16
-            written[0] += 1
-            if size >= shard_bytes:
-                os.fsync(fd)
-                os.close(fd)
-                os.rename(path, path + ".tfrecord")
-                files.append(path + ".tfrecord")
-                fd = None
-                while len(files) * shard_bytes > keep_bytes:
-                    os.unlink(files.pop(0))
-        if fd is not None:
-            os.close(fd)
+            out.write(data)
+        out.close()
 
     async def fetch_all(stop: threading.Event) -> None:
         fs = fsspec.filesystem("http", asynchronous=True, skip_instance_cache=True)
@@ -352,21 +383,103 @@ def run_floor(urls: list[str], window: int, concurrency: int, seconds: float, tm
     fetcher = threading.Thread(target=lambda: asyncio.run(fetch_all(stop)), daemon=True)
     fetcher.start()
     try:
-        time.sleep(min(1.0, seconds / 3))
-        c0, t0, cpu0 = written[0], time.monotonic(), time.process_time()
-        time.sleep(seconds)
-        c1, t1, cpu1 = written[0], time.monotonic(), time.process_time()
+        return _measured(lambda: out.written, seconds, window)
     finally:
         stop.set()
         fetcher.join(30)
         done.put(None)
         thread.join(30)
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
-    payload = (c1 - c0) * window * ROW_BYTES
-    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": (c1 - c0) / (t1 - t0),
-            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None, "first_shard_s": None}
+
+
+class _BareRange(asyncio.BufferedProtocol):
+    """A bare HTTP/1.1 keep-alive connection for range GETs of a known length, receiving each
+    body into one reused buffer: no HTTP library, no copy but the kernel's. A measuring probe for
+    the plain server of this benchmark (no TLS, redirects, chunked bodies or errors), not a client."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = bytearray(capacity + 64 * 1024)
+        self.view = memoryview(self.buffer)
+        self.got, self.end, self.body = 0, -1, 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += nbytes
+        if self.end < 0:
+            head_end = self.buffer.find(b"\r\n\r\n", 0, self.got)
+            if head_end < 0:
+                return
+            lines = bytes(self.buffer[:head_end]).split(b"\r\n")
+            length = next(int(v) for k, _, v in (h.partition(b":") for h in lines[1:])
+                          if k.strip().lower() == b"content-length")
+            self.body, self.end = head_end + 4, head_end + 4 + length
+        if self.got >= self.end and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc or ConnectionError("the server closed the connection"))
+
+    async def get(self, host: str, path: str, start: int, end: int) -> memoryview:
+        self.got, self.end = 0, -1
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nRange: bytes={start}-{end - 1}\r\n\r\n".encode())
+        await self.waiter
+        return self.view[self.body:self.end]
+
+
+def run_bare(urls: list[str], window: int, concurrency: int, seconds: float, tmp: str, write: bool) -> dict:
+    """The least any sampler could do, with no HTTP library either: ``concurrency`` bare keep-alive
+    connections (:class:`_BareRange`) on one event loop, each body written (``write``) inline on that
+    one thread by :class:`_FloorWriter`, so no hand-over between threads. With ``write=False`` it
+    only fetches: the cheapest fetch of a window on this host."""
+    from urllib.parse import urlsplit
+
+    import fsspec
+
+    fs = fsspec.filesystem("http", skip_instance_cache=True)
+    rows = [fs.size(u) // ROW_BYTES for u in urls]
+    parts = [urlsplit(u) for u in urls]
+    folder = tempfile.mkdtemp(dir=tmp)
+    out = _FloorWriter(folder)
+    counted = [0]
+
+    async def fetch_all(stop: threading.Event) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def one(n: int) -> None:
+            rng = random.Random(n)
+            _, conn = await loop.create_connection(lambda: _BareRange(window * ROW_BYTES),
+                                                   parts[0].hostname, parts[0].port)
+            try:
+                while not stop.is_set():
+                    i = rng.randrange(len(urls))
+                    start = 128 + rng.randrange(rows[i] - window) * ROW_BYTES  # np.save's header: 128
+                    body = await conn.get(parts[i].netloc, parts[i].path, start, start + window * ROW_BYTES)
+                    if write:
+                        out.write(body)
+                    counted[0] += 1
+            finally:
+                conn.transport.close()
+
+        await asyncio.gather(*(one(n) for n in range(concurrency)))
+
+    stop = threading.Event()
+    fetcher = threading.Thread(target=lambda: asyncio.run(fetch_all(stop)), daemon=True)
+    fetcher.start()
+    try:
+        return _measured(lambda: counted[0], seconds, window)
+    finally:
+        stop.set()
+        fetcher.join(30)
+        out.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -396,8 +509,10 @@ def main(args: argparse.Namespace) -> dict:
                     run = {"latency_ms": latency, "window_bytes": size, "contenders": {}}
                     run["contenders"]["plain_32_threads"] = run_plain(urls, window, 32, args.seconds)
                     run["contenders"]["floor_fetch_write_c64"] = run_floor(urls, window, 64, args.seconds, tmp)
-                    print(f"{latency} ms {size >> 10} KiB floor: {run['contenders']['floor_fetch_write_c64']}",
-                          flush=True)
+                    run["contenders"]["bare_fetch_c64"] = run_bare(urls, window, 64, args.seconds, tmp, write=False)
+                    run["contenders"]["floor_bare_write_c64"] = run_bare(urls, window, 64, args.seconds, tmp, write=True)
+                    for name in ("floor_fetch_write_c64", "bare_fetch_c64", "floor_bare_write_c64"):
+                        print(f"{latency} ms {size >> 10} KiB {name}: {run['contenders'][name]}", flush=True)
                     for workers in args.workers:
                         for concurrency in args.concurrency:
                             name = f"pool_{workers}w_c{concurrency}"
@@ -409,8 +524,6 @@ def main(args: argparse.Namespace) -> dict:
             finally:
                 store.close()
     finally:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)  # the caches; arrays kept in --dir stay
     results["load_average"].append(os.getloadavg()[0])  # other work on the host skews every figure
     if args.json:

@@ -29,10 +29,11 @@ def test_fill_benchmark_quick(tmp_path):
     split = pool["cpu_split_s_per_GB"]
     assert set(split) == {"loop", "main", "other"} and min(split.values()) >= 0
     assert abs(sum(split.values()) - pool["cpu_s_per_GB"]) < 1e-6 * max(1.0, pool["cpu_s_per_GB"])
-    floor = run["contenders"]["floor_fetch_write_c64"]
-    assert floor["MBps"] > 0 and floor["cpu_s_per_GB"] > 0
+    for name in ("floor_fetch_write_c64", "bare_fetch_c64", "floor_bare_write_c64"):
+        floor = run["contenders"][name]
+        assert floor["MBps"] > 0 and floor["cpu_s_per_GB"] > 0, name
     table = fill.markdown(results)
-    assert "`pool_1w_c8`" in table and "`ideal_32`" in table and "`floor_fetch_write_c64`" in table
+    assert "`pool_1w_c8`" in table and "`ideal_32`" in table and "`floor_bare_write_c64`" in table
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
     fill.update_docs(results, str(docs))
