@@ -83,7 +83,7 @@ from .errors import CacheFormatError, CompressedFileError, CorruptShardError, Gr
 from .example import ExampleCodec, RecordChecker
 from .importer import CHUNK_BYTES, TFRecordFiles, _infer, _inflate, _record_limit, _skip, copy_records, iter_frames
 from .records import detect_compression
-from .store import _sized, glob_listing
+from .store import _sized, glob_listing, object_version
 from .writer import discard_temporary
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
         keeper = _ClaimKeeper(self, cache, claim)
         try:
             info = self._info_now(claim.path)
-            now = None if info is None else _version(info)
+            now = None if info is None else object_version(info)
             if now != claim.version:
                 done = self._pass_over(cache, claim, "vanished" if now is None else "changed")
                 return
@@ -489,7 +489,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
             path = fs._strip_protocol(url)
             if _GLOB_CHARS & set(path):
                 listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
-                found.update((p, _version(info)) for p, info in listing.items()
+                found.update((p, object_version(info)) for p, info in listing.items()
                              if isinstance(info, dict) and info.get("type", "file") != "directory")
             else:
                 version = self._version_now(path)
@@ -500,7 +500,7 @@ class TFRecordShardSource(TFRecordFiles, ShardSource):
     def _version_now(self, path: str) -> str | None:
         """The version of ``path`` in the store now; ``None`` if it is gone."""
         info = self._info_now(path)
-        return None if info is None else _version(info)
+        return None if info is None else object_version(info)
 
     def _info_now(self, path: str) -> dict[str, Any] | None:
         """The store's details of ``path`` now (never fsspec's cached ones); ``None`` if it is gone."""
@@ -790,20 +790,6 @@ def _refuse_linked_sources(cache: Cache) -> None:
     """growcache writes and deletes in ``sources/``: never through a link to elsewhere (the
     manifest's layout check, run here because a source's state is read and written often)."""
     cache._manifest.check_layout()
-
-
-# fsspec info keys that name an object's version, the most precise first. One is used: a
-# listing and a metadata request of one store must give the same version, and some fields
-# differ between the two (S3's LastModified has milliseconds in a listing, not in a HEAD).
-_VERSION_KEYS = ("generation", "VersionId", "ETag", "etag", "md5Hash", "mtime", "LastModified", "updated", "created")
-
-
-def _version(info: Any) -> str:
-    """A remote shard's version: its size and the first field the store names its content by."""
-    if not isinstance(info, dict):
-        return "?"
-    key = next((k for k in _VERSION_KEYS if info.get(k) is not None), None)
-    return f"size={info.get('size')}" + (f";{key}={info[key]}" if key else "")
 
 
 def _mark_fetched(state: dict[str, Any], path: str, end: int) -> None:

@@ -119,6 +119,9 @@ class ObjectSource(StoreSource):
         shape: shape of ``"raw"`` objects.
         storage_options: passed to fsspec (credentials, ``client_kwargs``, ...).
         retry: retry policy of transient errors. Default: ``RetryPolicy()``.
+        relist_every: seconds between listings of the globs in each sampler process, so that
+            objects added to a live bucket are drawn and objects gone from it are not; listing
+            runs in the background. ``None`` lists once per process. Default: ``None``.
     """
 
     def __init__(
@@ -131,8 +134,9 @@ class ObjectSource(StoreSource):
         shape: Sequence[int] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        relist_every: float | None = None,
     ) -> None:
-        super().__init__(url, storage_options=storage_options, retry=retry)
+        super().__init__(url, storage_options=storage_options, retry=retry, relist_every=relist_every)
         if isinstance(decoder, str):
             name = decoder.lower().lstrip(".")
             if name == "npy":
@@ -273,6 +277,9 @@ class NpyWindowSource(StoreSource):
         feature: the feature name of the window. Default: ``"x"``.
         storage_options: passed to fsspec.
         retry: retry policy of transient errors. Default: ``RetryPolicy()``.
+        relist_every: seconds between listings of the globs in each sampler process (as for
+            :class:`ObjectSource`); a file whose size or version changed has its header read
+            again. ``None`` lists once per process. Default: ``None``.
         header_bytes: size of the first range read, enough for any ordinary header.
             Default: ``4096``.
 
@@ -290,8 +297,9 @@ class NpyWindowSource(StoreSource):
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         header_bytes: int = 4096,
+        relist_every: float | None = None,
     ) -> None:
-        super().__init__(url, storage_options=storage_options, retry=retry)
+        super().__init__(url, storage_options=storage_options, retry=retry, relist_every=relist_every)
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window must be a positive number of rows, got {window!r}")
         self.window = int(window)

@@ -90,11 +90,18 @@ class StoreSource(Source):
         *,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        relist_every: float | None = None,
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) and u for u in urls):
             raise ValueError(f"url must be a non-empty URL string or list of URLs, got {url!r}")
+        if relist_every is not None and (isinstance(relist_every, bool) or not isinstance(relist_every, (int, float))
+                                         or not relist_every > 0):
+            raise ValueError(f"relist_every must be a positive number of seconds or None (list once), "
+                             f"got {relist_every!r}")
         self.urls = urls
+        #: Seconds between listings of the URLs' globs in each sampler process (``None``: once).
+        self.relist_every = None if relist_every is None else float(relist_every)
         self._storage_options = dict(storage_options or {})
         self._redact = Redactor(self._storage_options, urls)
         self.retry = retry or RetryPolicy()
@@ -103,6 +110,9 @@ class StoreSource(Source):
         self._fs_pid: int | None = None
         self._protocol: str = ""
         self._paths: list[str] | None = None
+        self._paths_listed_at = 0.0  # time.monotonic() of the last listing (tried), for relist_every
+        self._versions: dict[str, str] = {}  # object_version of each path the last listing gave
+        self._relisting: threading.Thread | None = None
         self._sizes: dict[str, int] = {}  # object sizes the listing gave or the store told (-1: it did not)
         # The store told no size for an object: the others are not asked either (fsspec's http asks
         # by a GET of the whole object once HEAD tells nothing), and are fetched as of unknown size.
@@ -124,7 +134,7 @@ class StoreSource(Source):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0, _lock=None, _sizing={},
-                     _outage_since=None, store_answered=False)
+                     _outage_since=None, store_answered=False, _relisting=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -501,7 +511,14 @@ class StoreSource(Source):
             self._sizes[path] = len(data)
 
     def paths(self) -> list[str]:
-        """The store paths this source samples from, sorted (listed once per process).
+        """The store paths this source samples from, sorted.
+
+        Listed once per process, then, with :attr:`relist_every`, again in a background thread
+        each time that many seconds have passed: objects added to the bucket are drawn from the
+        next listing on, objects gone from it are no longer drawn, and an object whose size or
+        version changed is read afresh (a ``.npy`` header is read again). Samples go on from the
+        last listing meanwhile; a listing that fails or matches nothing is logged and the last
+        one kept.
 
         Raises:
             SourceError: the glob matches nothing, or the bucket or directory is missing.
@@ -509,31 +526,91 @@ class StoreSource(Source):
         if self._paths is None:
             with self._lock:
                 return self._list()
+        if self.relist_every is not None and time.monotonic() - self._paths_listed_at >= self.relist_every:
+            self._relist_soon()
         return self._paths
 
     def _list(self) -> list[str]:
         """Assumes you hold ``self._lock``."""
         if self._paths is None:
-            fs = self.fs
-            found: set[str] = set()
-            for url in self.urls:
-                path = fs._strip_protocol(url)
-                if _GLOB_CHARS & set(path):
-                    listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
-                    files = {p: info for p, info in listing.items() if info.get("type", "file") != "directory"}
-                    found.update(files)
-                    self._sizes.update({p: int(info["size"]) for p, info in files.items()
-                                        if isinstance(info.get("size"), int) and info["size"] >= 0})
-                else:
-                    found.add(path)
-            self._named = frozenset(fs._strip_protocol(url) for url in self.urls if not _GLOB_CHARS & set(url))
+            found, sizes, versions = self._list_now()
             if not found:
                 raise SourceError(self._redact(
                     f"no objects match {', '.join(self.urls)}: check the bucket, prefix and pattern "
                     "(object names are case-sensitive; '**' matches across directories)"
                 ))
+            self._sizes.update(sizes)
+            self._versions = versions
             self._paths = sorted(found)
+            self._paths_listed_at = time.monotonic()
         return self._paths
+
+    def _list_now(self) -> tuple[set[str], dict[str, int], dict[str, str]]:
+        """The paths the URLs name now, the sizes and versions the listing gave of them."""
+        fs = self.fs
+        found: set[str] = set()
+        sizes: dict[str, int] = {}
+        versions: dict[str, str] = {}
+        for url in self.urls:
+            path = fs._strip_protocol(url)
+            if _GLOB_CHARS & set(path):
+                listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
+                files = {p: info for p, info in listing.items() if info.get("type", "file") != "directory"}
+                found.update(files)
+                sizes.update({p: int(info["size"]) for p, info in files.items()
+                              if isinstance(info.get("size"), int) and info["size"] >= 0})
+                versions.update((p, object_version(info)) for p, info in files.items())
+            else:
+                found.add(path)
+        self._named = frozenset(fs._strip_protocol(url) for url in self.urls if not _GLOB_CHARS & set(url))
+        return found, sizes, versions
+
+    def _relist_soon(self) -> None:
+        """Start one background listing unless one runs or the last is recent."""
+        with self._lock:
+            running = self._relisting
+            if (running is not None and running.is_alive()) or self.relist_every is None \
+                    or time.monotonic() - self._paths_listed_at < self.relist_every:
+                return
+            # Listing is blocking I/O (the sync filesystem): never in a sampler's event loop thread.
+            self._relisting = threading.Thread(target=self._relist, name="growcache-relist", daemon=True)
+            self._relisting.start()
+
+    def _relist(self) -> None:
+        """List again and take the new listing (see :meth:`paths`)."""
+        fs = self.fs
+        try:
+            try:
+                fs.invalidate_cache()  # fsspec's listings cache would hide what changed
+            except Exception:  # noqa: BLE001 - a filesystem without one
+                pass
+            found, sizes, versions = self._list_now()
+        except Exception as exc:  # noqa: BLE001 - a failed relisting must not stop the sampling
+            self._paths_listed_at = time.monotonic()
+            logger.warning("a new listing (relist_every=%g s) failed: %s; samples are still drawn from the last "
+                           "listing (%d objects), and it is tried again in %g s", self.relist_every,
+                           self._redact(str(exc)).rstrip("."), len(self._paths or ()), self.relist_every)
+            return
+        with self._lock:
+            self._paths_listed_at = time.monotonic()
+            if not found:
+                logger.warning("listing %s again matched no objects; samples are still drawn from the last listing "
+                               "(%d objects)", ", ".join(self._redact(u) for u in self.urls), len(self._paths or ()))
+                return
+            old = set(self._paths or ())
+            gone = old - found
+            changed = {p for p in found & set(self._versions)
+                       if p in versions and versions[p] != self._versions[p]}
+            for path in gone | changed:
+                self._sizes.pop(path, None)
+                self._forget(path)
+            self._sizes.update(sizes)
+            self._versions = versions
+            self._paths = sorted(found)  # a new list: samples in other threads index the old one meanwhile
+        added = len(found - old)
+        if added or gone or changed:
+            logger.info("listed %s again: %d objects (%d new, %d gone, %d changed)",
+                        ", ".join(self._redact(u) for u in self.urls), len(found), added, len(gone), len(changed))
 
     def _choose(self, rng: np.random.Generator) -> str:
         paths = self.paths()
@@ -692,6 +769,21 @@ def _client_options(protocol: str, storage_options: Mapping[str, Any], retry: Re
             client.setdefault("timeout", timeout)
             options["client_kwargs"] = client
     return options
+
+
+# fsspec info keys that name an object's version, the most precise first. One is used: a
+# listing and a metadata request of one store must give the same version, and some fields
+# differ between the two (S3's LastModified has milliseconds in a listing, not in a HEAD).
+_VERSION_KEYS = ("generation", "VersionId", "ETag", "etag", "md5Hash", "mtime", "LastModified", "updated", "created")
+
+
+def object_version(info: Any) -> str:
+    """An object's version from fsspec's details of it: its size and the first field the store
+    names its content by (a rewrite changes it)."""
+    if not isinstance(info, dict):
+        return "?"
+    key = next((k for k in _VERSION_KEYS if info.get(k) is not None), None)
+    return f"size={info.get('size')}" + (f";{key}={info[key]}" if key else "")
 
 
 def _object_claim(size: int | None) -> int:
