@@ -764,7 +764,8 @@ def _check_layout(epochs: Epochs, saved: dict[str, Any], *, warn: bool = False, 
                 " Or pass replan=True to re-plan it over another world size, batch size, shuffle buffer or drop_last.")
         raise ValueError(
             f"the saved epoch was planned with another layout ({named}): the rest of it cannot be re-planned over "
-            "this one. Build the loader with the saved world size, rank, even_batches and split to finish it, or "
+            "this one. Build the loader (make_torch_loader) or dataset (make_tf_dataset) with the saved world size, "
+            "rank, even_batches and split to finish it, or "
             f"load a state saved between epochs.{hint if not fixed or replan else ''}")
     if changed:
         group = epochs.group

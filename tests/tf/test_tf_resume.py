@@ -191,7 +191,7 @@ def test_replan_true_finishes_the_epoch_over_another_batch_size_each_record_once
     before = [i for _ in range(5) for i in next(iterator)["id"].numpy().tolist()]
     state = json.loads(json.dumps(ds.state_dict()))
     del iterator
-    with pytest.raises(ValueError, match=r"batch_size 8 -> 16.*pass replan=True"):
+    with pytest.raises(ValueError, match=r"batch_size 8 -> 16.*dataset \(make_tf_dataset\) with the saved.*pass replan=True"):
         _dataset(grown, batch_size=16).load_state_dict(state)
     resumed = _dataset(grown, batch_size=16)
     resumed.load_state_dict(state, replan=True)
