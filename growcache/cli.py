@@ -11,13 +11,14 @@ import datetime as _dt
 import json
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -33,6 +34,10 @@ logger = logging.getLogger("growcache")
 
 class _UsageError(Exception):
     pass
+
+
+class _Failed(Exception):
+    """A failure (exit 1) whose message the command completed: what became of the cache it created."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +66,39 @@ def _size_arg(text: str) -> int:
 # The longest wait a flag may ask for. Longer ones (inf, 1e300) overflow every timed wait
 # (time.sleep, Event.wait, socket timeouts) mid-run with an OverflowError.
 _MAX_SECONDS = 365 * 86400.0
+
+
+# Sampler (and loader) processes a command starts at the most: 8 per CPU of the machine, or 64
+# where that is fewer. Each is a process of its own that imports numpy and fsspec: 100000 of
+# them never got going, and Ctrl-C then took minutes to stop them. A far store wants more
+# requests in flight, and those come from --concurrency, not from more processes.
+_WORKERS_PER_CPU = 8
+_MIN_WORKER_LIMIT = 64
+# SamplerPool's own bound on the samples one worker keeps in flight.
+_MAX_CONCURRENCY = 4096
+# The pool counts records in shared 64-bit integers: a larger --records wrapped around
+# (2**64 + 10 sampled 10 records; 2**64 sampled none and exited 0).
+_MAX_RECORDS = 1 << 62
+
+
+def _max_workers() -> int:
+    return max(_MIN_WORKER_LIMIT, _WORKERS_PER_CPU * (os.cpu_count() or 1))
+
+
+def _check_workers(flag: str, value: Any, *, least: int = 1, instead: str = "") -> None:
+    """A usage error (ValueError) for a count of processes below ``least`` or past :func:`_max_workers`."""
+    if value is None or value < least:
+        raise ValueError(f"{flag} must be at least {least}, got {value}")
+    limit = _max_workers()
+    if value > limit:
+        raise ValueError(
+            f"{flag} {value} is more processes than this machine can run usefully: give at most {limit} "
+            f"({_WORKERS_PER_CPU} per CPU, {os.cpu_count() or 1} CPUs here; {_MIN_WORKER_LIMIT} where that is fewer); "
+            f"each is a process of its own, and thousands of them never get going{instead}")
+
+
+_MORE_IN_FLIGHT = (f". For more requests in flight, raise --concurrency (samples each sampler process keeps in flight, "
+                   f"up to {_MAX_CONCURRENCY}) instead")
 
 
 def _positive_float(text: str) -> float:
@@ -304,17 +342,23 @@ def _check_shard_size(shard_size: int | str | None, capacity: int | str | None) 
 
 
 def _parse_shape(text: Any) -> Any:
-    """``--shape 256,256`` (or ``256x256``) as a tuple; anything but positive whole numbers is a usage error."""
+    """``--shape 256,256`` (or ``256x256``) as a tuple; anything but positive whole numbers is a usage error.
+
+    Every part counts: ``3,x``, ``3,,4`` or ``3,`` name their bad (or empty) part, never read as a shorter shape.
+    """
     if not isinstance(text, str):
         return text
-    try:
-        shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
-    except ValueError:
-        shape = ()
-    if not shape or min(shape) < 1:
-        raise ValueError(f"--shape {text!r} is not a shape: write positive whole numbers separated by commas, "
-                         "e.g. --shape 256,256")
-    return shape
+    parts = text.split(",") if "," in text else text.split("x")
+    for position, part in enumerate(parts, 1):
+        if not part.strip():
+            problem = "is empty" if len(parts) == 1 else f"has an empty part (part {position} of {len(parts)})"
+        elif not re.fullmatch(r"[0-9]+", part.strip()) or int(part) < 1:
+            problem = f"has {part.strip()!r} where a positive whole number belongs"
+        else:
+            continue
+        raise ValueError(f"--shape {text!r} {problem}: write the dimensions as positive whole numbers separated by "
+                         "commas, e.g. --shape 256,256 (or --shape 64 for one dimension)")
+    return tuple(int(part) for part in parts)
 
 
 def _check_record_fits(cache: Any, shard_size: int | str | None) -> None:
@@ -331,7 +375,7 @@ def _check_record_fits(cache: Any, shard_size: int | str | None) -> None:
         return
     size = default_shard_size(cache.capacity)
     if frame > size:
-        # The capacity may be one a failed earlier run stored: say where it comes from.
+        # The capacity may be one stored before this run (by an earlier one, or the API): say where it comes from.
         raise ValueError(
             f"cache {cache.path} has a capacity of {format_size(cache.capacity)}, and its shards (a quarter of it, "
             f"{format_size(size)}) cannot hold one record ({format_size(frame)}): raise --capacity to at least "
@@ -438,7 +482,7 @@ def _check_source_flags(args: Any) -> bool:
     return tfrecord
 
 
-def _open_tfrecord_source(args: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+def _open_tfrecord_source(args: Any, options: dict[str, Any], claim: Any) -> tuple[Any, Any]:
     """``growcache sample --tfrecord``: the TFRecordShardSource and its cache, its first records checked."""
     from .cache import Cache
     from .errors import CorruptShardError, SourceError
@@ -454,7 +498,7 @@ def _open_tfrecord_source(args: Any, options: dict[str, Any]) -> tuple[Any, Any]
         raise ValueError(f"--schema: {exc}") from None
     source = TFRecordShardSource(args.source, storage_options=options, retry=_retry_policy(args),
                                  max_shard_records=records)
-    cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
+    cache = _opened(claim, Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema))
     try:
         found = source.probe(cache.schema)
     except CorruptShardError as exc:
@@ -470,12 +514,12 @@ def _open_tfrecord_source(args: Any, options: dict[str, Any]) -> tuple[Any, Any]
                           f"{cache.path}: {exc}. A cache keeps one schema: give a new cache directory for other "
                           "data") from None
     if cache.schema is None:
-        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=found)
+        cache = _opened(claim, Cache(args.cache, capacity=getattr(args, "capacity", None), schema=found))
         logger.info("cache %s: schema %r inferred from the first file", cache.path, found)
     return source, cache
 
 
-def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: int) -> tuple[Any, Any]:
+def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: int, claim: Any) -> tuple[Any, Any]:
     """``growcache sample`` of arrays: the source and its cache, one sample drawn and checked."""
     from .cache import Cache
     from .errors import SourceError, TransientSourceError
@@ -486,7 +530,7 @@ def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: in
     source = open_source(args.source, window=getattr(args, "window", None),
                          feature=getattr(args, "feature", None) or "x", dtype=getattr(args, "dtype", None),
                          shape=shape, storage_options=options, retry=_retry_policy(args))
-    cache = Cache(args.cache, capacity=getattr(args, "capacity", None))
+    cache = _opened(claim, Cache(args.cache, capacity=getattr(args, "capacity", None)))
     try:
         probe = source(np.random.default_rng(seed))
     except (SchemaError, SourceError) as exc:
@@ -496,7 +540,7 @@ def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: in
                         "(growcache sample --tfrecord SOURCE CACHE)") from None
     if cache.schema is None:
         schema = Schema({k: (np.asarray(v).dtype.newbyteorder("<").name, np.asarray(v).shape) for k, v in probe.items()})
-        cache = Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema)
+        cache = _opened(claim, Cache(args.cache, capacity=getattr(args, "capacity", None), schema=schema))
         logger.info("cache %s: schema %r taken from the source", cache.path, schema)
     else:
         problem = describe_mismatch(cache.schema, probe)
@@ -504,6 +548,13 @@ def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: in
             raise SchemaError(f"{source.redact(args.source)} does not fit cache {cache.path}: {problem}. "
                               f"{_mismatch_hint(args, cache.schema, probe)}.")
     return source, cache
+
+
+def _opened(claim: Any, cache: Any) -> Any:
+    """``cache``, which the command just opened (and stored its schema or capacity in), told to ``claim``."""
+    if claim is not None:
+        claim.opened(cache)
+    return cache
 
 
 def _holds_tfrecords(source: Any) -> bool:
@@ -517,7 +568,7 @@ def _holds_tfrecords(source: Any) -> bool:
     return starts_tfrecord(head)
 
 
-def run_sample_command(args: Any) -> int:
+def run_sample_command(args: Any, *, claim: Any = None) -> int:
     """``growcache sample``: grow a cache from a source URL until Ctrl-C or ``--records``.
 
     ``args`` carries the flags of ``growcache sample`` (missing optional ones take their
@@ -526,7 +577,9 @@ def run_sample_command(args: Any) -> int:
     so a store that cannot be reached, or data of another shape, is one error, at once.
     With ``tfrecord`` set, the source is a :class:`~growcache.TFRecordShardSource` and the
     first records of its first file play that sample's part (the schema is ``schema``, the
-    cache's, or inferred from them).
+    cache's, or inferred from them). ``claim``, a :class:`~growcache.importer.CacheClaim`
+    on ``args.cache``, is told of each open of the cache and of the pool's start (the
+    command removes a cache it created with it when it fails). Default: ``None``.
 
     Returns:
         0 when it stopped as asked (``--records`` reached or Ctrl-C).
@@ -550,32 +603,36 @@ def run_sample_command(args: Any) -> int:
             raise ValueError(f"--dtype {dtype!r} is not a dtype numpy knows: write one such as float32, uint8, "
                              "int64 or <f4") from None
     workers = getattr(args, "workers", 1)
-    if workers is None or workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
+    _check_workers("--workers", workers, instead=_MORE_IN_FLIGHT)
+    concurrency = getattr(args, "concurrency", None)
+    if concurrency is not None and not 1 <= concurrency <= _MAX_CONCURRENCY:
+        raise ValueError(f"--concurrency must be from 1 to {_MAX_CONCURRENCY} (samples each sampler process keeps in "
+                         f"flight), got {concurrency}" + ("; for more in flight, add --workers"
+                                                          if concurrency > _MAX_CONCURRENCY else ""))
     seed = getattr(args, "seed", 0) or 0
     if seed < 0:
         raise ValueError(f"--seed must be 0 or more, got {seed}")
     target = getattr(args, "records", None)
-    if target is not None and target < 1:
-        raise ValueError(f"--records must be at least 1, got {target}")
+    if target is not None and not 1 <= target <= _MAX_RECORDS:
+        raise ValueError(f"--records must be from 1 to {_MAX_RECORDS} (2**62), got {target}: leave it out to sample "
+                         "until Ctrl-C")
     shard_size = getattr(args, "shard_size", None)
     _check_shard_size(shard_size, getattr(args, "capacity", None))
     options = parse_storage_options(getattr(args, "storage_option", None))
     if tfrecord:
-        source, cache = _open_tfrecord_source(args, options)
+        source, cache = _open_tfrecord_source(args, options, claim)
     else:
-        source, cache = _open_sample_source(args, options, shape, seed)
+        source, cache = _open_sample_source(args, options, shape, seed, claim)
     _check_shard_size(shard_size, cache.capacity)
     _check_record_fits(cache, shard_size)
-    concurrency = getattr(args, "concurrency", None)
-    if concurrency is not None and concurrency < 1:
-        raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
     pool = SamplerPool(cache, source, workers=workers, shard_size=shard_size,
                        max_shard_age=getattr(args, "max_shard_age", 10.0), seed=seed, stop_after=target,
                        **({} if concurrency is None else {"concurrency": concurrency}))
     interrupted = False
     with _progress(args, "sample", total=target, unit="rec") as progress:
         try:
+            if claim is not None:
+                claim.sampler_started()
             pool.start()  # a Ctrl-C while the workers start stops them as cleanly as one later
             while True:
                 pool.raise_if_failed()
@@ -601,13 +658,37 @@ def run_sample_command(args: Any) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
+    from .importer import CacheClaim
+
     _cache_dir_argument(args.cache)
+    claim = CacheClaim(args.cache)
     try:
-        return run_sample_command(args)
-    except ValueError as exc:  # a bad --storage-option, --shape or window given on the command line
-        if isinstance(exc, GrowcacheError):
-            raise
-        raise _UsageError(str(exc)) from exc
+        code = run_sample_command(args, claim=claim)
+    except BaseException as exc:
+        # A ValueError is a bad --storage-option, --shape or window given on the command line.
+        _fail(claim, exc, usage=isinstance(exc, ValueError) and not isinstance(exc, GrowcacheError))
+    claim.release(failed=False)
+    return code
+
+
+def _fail(claim: Any, exc: BaseException, *, usage: bool = False) -> NoReturn:
+    """Raise the failure ``exc`` of a command, once the cache directory the command created (and
+    published nothing into) is removed, or with why it stays, and what to do, added to its message."""
+    kept = claim.release(failed=True)
+    note = ""
+    if kept is not None:
+        text = str(exc).rstrip()
+        note = (f"{' ' if text.endswith(('.', ')')) else '. '}The cache directory {claim.path}, which this command "
+                f"created, stays although nothing was published into it: {kept}. Once nothing uses it, remove it "
+                f"(rm -r {claim.path}): it keeps the capacity and schema this command stored")
+    if usage:
+        raise _UsageError(f"{exc}{note}") from exc
+    if not note:
+        raise exc
+    if isinstance(exc, (GrowcacheError, OSError)):
+        raise _Failed(f"{exc}{note}") from exc
+    logger.warning(note.lstrip(". "))  # Ctrl-C: the command prints no error of its own
+    raise exc
 
 
 # -- demo -----------------------------------------------------------------------------------------
@@ -644,6 +725,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         args.storage_options = parse_storage_options(args.storage_option)
         parse_size(args.capacity, name="--capacity")
         parse_size(args.shard_size, name="--shard-size")
+        _check_workers("--workers", args.workers)
+        _check_workers("--loader-workers", args.loader_workers, least=0)
         return run_demo(args)
     except ValueError as exc:  # also a --cache that is not a cache
         if isinstance(exc, GrowcacheError):
@@ -675,7 +758,7 @@ def _max_record_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .importer import ImportReport, import_files, parse_schema
+    from .importer import CacheClaim, ImportReport, TFRecordFiles, import_files, parse_schema
 
     try:  # bad flags are usage errors, exit 2
         options = parse_storage_options(args.storage_option)
@@ -685,24 +768,34 @@ def _cmd_import(args: argparse.Namespace) -> int:
     if args.max_shard_records is not None and args.max_shard_records < 1:
         raise _UsageError(f"--max-shard-records must be at least 1, got {args.max_shard_records}")
     _cache_dir_argument(args.cache)
-    with _progress(args, "import", unit="B") as progress:
-        copied = [0, 0]  # bytes copied, bytes shown
+    claim = CacheClaim(args.cache)
+    report = ImportReport()  # filled in as the import goes: a Ctrl-C still tells what was imported
+    interrupted = False
+    try:
+        files = TFRecordFiles(args.sources, storage_options=options)
+        # The bar's total: the files' sizes, from the listing (and the filesystem, for local files).
+        # A file named on a store has none without a request of its own: the bar then counts, open-ended.
+        total = files.total_size(files.paths())
+        with _progress(args, "import", total=total, unit="B") as progress:
+            read = [0, 0]  # bytes of the files read, bytes shown
 
-        def on_bytes(nbytes: int) -> None:
-            copied[0] += nbytes
-            if copied[0] - copied[1] >= 1 << 20:
-                copied[1] = copied[0]
-                progress.update(copied[0])
+            def on_bytes(nbytes: int) -> None:
+                read[0] += nbytes
+                if read[0] - read[1] >= 1 << 20:
+                    read[1] = read[0]
+                    progress.update(read[0])
 
-        report = ImportReport()  # filled in as the import goes: a Ctrl-C still tells what was imported
-        interrupted = False
-        try:
-            import_files(args.sources, args.cache, schema=schema, capacity=args.capacity, storage_options=options,
-                         max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
-                         max_record_bytes=args.max_record, progress=on_bytes, report=report)
-        except KeyboardInterrupt:
-            interrupted = True
-        progress.update(copied[0])
+            try:
+                import_files(files, args.cache, schema=schema, capacity=args.capacity,
+                             max_shard_records=args.max_shard_records, max_shard_bytes=args.max_shard_size,
+                             max_record_bytes=args.max_record, progress=on_bytes, report=report, claim=claim)
+            except KeyboardInterrupt:
+                interrupted = True
+            progress.update(read[0])
+    except BaseException as exc:
+        _fail(claim, exc)
+    code = 1 if report.refused or report.stopped or interrupted else 0
+    kept = claim.release(failed=code != 0)
     for path, reason in report.refused:
         print(f"REFUSED {path}: {reason}")
     if report.stopped is not None:
@@ -711,7 +804,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
     for path in left:  # import these, and only these, to finish: a file imported twice has its records twice
         print(f"NOT IMPORTED {path}")
     held = ""
-    if os.path.exists(os.path.join(args.cache, METADATA_FILE)):
+    if claim.removed:
+        held = f"; nothing was imported, so the cache directory {claim.path} that it created was removed"
+    elif kept is not None:
+        held = (f"; nothing was imported into the cache directory {claim.path} that it created, which stays: {kept}. "
+                f"Once nothing uses it, remove it (rm -r {claim.path}): it keeps the capacity and schema stored in it")
+    elif os.path.exists(os.path.join(args.cache, METADATA_FILE)):
         from .cache import Cache
 
         cs = Cache(args.cache).stats()
@@ -727,7 +825,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
           f"in {report.shards} shards ({format_size(report.bytes)}); {len(report.refused)} refused"
           f"{'; stopped early' if report.stopped else ''}"
           f"{f'; {len(left)} not imported' if left else ''}{held}; schema {report.schema!r}")
-    return 1 if report.refused or report.stopped or interrupted else 0
+    return code
 
 
 def _schema_arguments(p: argparse.ArgumentParser) -> None:
@@ -853,7 +951,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         print(f"growcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (GrowcacheError, OSError) as exc:
+    except (GrowcacheError, OSError, _Failed) as exc:
         print(f"growcache {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

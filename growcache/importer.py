@@ -17,10 +17,12 @@ from __future__ import annotations
 import ast
 import collections
 import errno
+import fcntl
 import itertools
 import logging
 import math
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _proc
+from . import _proc, _sampler_stats
 from ._retry import RetryPolicy
 from ._size import parse_size
 from ._vectored_io import IOV_MAX, write_all
 from .errors import (
+    CacheFormatError,
     CacheFullError,
     CompressedFileError,
     CorruptShardError,
@@ -44,7 +47,22 @@ from .errors import (
     TransientSourceError,
 )
 from .example import AmbiguousRecordError, ExampleCodec, RecordChecker, scan_example
-from .manifest import create_file
+from .manifest import (
+    _WRITE_TEMP,
+    EPOCHS_DIR,
+    LEASES_DIR,
+    LOCK_FILE,
+    METADATA_FILE,
+    SHARDS_DIR,
+    SOURCES_DIR,
+    STATE_FILE,
+    Manifest,
+    _scandir,
+    _unlink_quiet,
+    create_file,
+    make_dir,
+    read_state_file,
+)
 from .records import (
     FOOTER_BYTES,
     HEADER_BYTES,
@@ -56,13 +74,15 @@ from .records import (
 from .schema import Schema
 from .store import StoreSource, _sized
 from .tensor_proto import parse_tensor
-from .writer import discard_temporary, temp_shard_name
+from .shard import scan_shards
+from .writer import discard_temporary, remove_abandoned_temporaries, temp_shard_name
 
 if TYPE_CHECKING:
     from .cache import Cache
     from .shard import ShardInfo
 
 __all__ = [
+    "CacheClaim",
     "CopiedShard",
     "ImportReport",
     "TFRecordFiles",
@@ -143,25 +163,63 @@ class TFRecordFiles(StoreSource):
             position += len(data)
             yield data
 
-    def stream(self, path: str, start: int = 0) -> tuple[Iterator[bytes], str | None]:
+    def stream(self, path: str, start: int = 0, *, on_read: Callable[[int], None] | None = None
+               ) -> tuple[Iterator[bytes], str | None]:
         """``(chunks of the uncompressed stream from offset start, compression)`` of ``path``.
 
         A compressed file is inflated from its beginning and the first ``start`` bytes are
         dropped; a plain one is read from ``start`` by byte range. The compression is told
         by the first chunk (read once), or by its first bytes when ``start`` is past it.
+        ``on_read`` is called with the size of each chunk of the file as it is read (bytes of
+        the file, compressed ones for a compressed file: what a progress bar of files counts).
         """
         size = self.size(path)
         if start > 0:
             head = self._fetch(path, 0, min(size, 64))
             if detect_compression(head) is None:
-                return self.chunks(path, start, size), None
+                return _counted(self.chunks(path, start, size), on_read), None
         head_end = min(size, self.chunk_bytes)
         head = self._fetch(path, 0, head_end) if size else b""
         compression = detect_compression(head[:64]) if head else None
-        raw = itertools.chain([head] if head else [], self.chunks(path, head_end, size))
+        raw = _counted(itertools.chain([head] if head else [], self.chunks(path, head_end, size)), on_read)
         if compression is None:
             return raw, None
         return _skip(_inflate(raw, compression, self._url(path)), start), compression
+
+    def known_size(self, path: str) -> int | None:
+        """The size of ``path`` where it is known without a request: from the listing of a glob,
+        or from the filesystem for a local file (a directory counts 0). ``None`` for a named
+        remote object: only a request per object would tell it."""
+        size = self._sizes.get(path)
+        if size is not None and size >= 0:
+            return size
+        if not _is_local(self):
+            return None
+        try:
+            info = os.stat(path)
+        except OSError:  # gone, or unreadable: its import says so
+            return None
+        return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+    def total_size(self, paths: Sequence[str]) -> int | None:
+        """The bytes of ``paths`` together (see :meth:`known_size`), or ``None`` if one's size is unknown."""
+        total = 0
+        for path in paths:
+            size = self.known_size(path)
+            if size is None:
+                return None
+            total += size
+        return total
+
+
+def _counted(chunks: Iterator[bytes], on_read: Callable[[int], None] | None) -> Iterator[bytes]:
+    return chunks if on_read is None else _counting(chunks, on_read)
+
+
+def _counting(chunks: Iterator[bytes], on_read: Callable[[int], None]) -> Iterator[bytes]:
+    for chunk in chunks:
+        on_read(len(chunk))
+        yield chunk
 
 
 def _inflate(chunks: Iterator[bytes], compression: str, source: str) -> Iterator[bytes]:
@@ -612,7 +670,7 @@ class ImportReport:
 
 
 def import_files(
-    sources: str | Sequence[str],
+    sources: str | Sequence[str] | TFRecordFiles,
     cache: Cache | str | os.PathLike,
     *,
     schema: Schema | Mapping[str, Any] | None = None,
@@ -624,6 +682,7 @@ def import_files(
     progress: Callable[[int], None] | None = None,
     on_file: Callable[[str, int], None] | None = None,
     report: ImportReport | None = None,
+    claim: CacheClaim | None = None,
 ) -> ImportReport:
     """Import TFRecord files (plain, GZIP or ZLIB) into a cache, each record checked.
 
@@ -634,7 +693,9 @@ def import_files(
     stops the import; what was published stays, and the report says where it stopped.
 
     Args:
-        sources: local paths, globs or fsspec URLs, or a list of them.
+        sources: local paths, globs or fsspec URLs, or a list of them; or a
+            :class:`TFRecordFiles` of them (already listed, e.g. to size a progress bar with
+            :meth:`TFRecordFiles.total_size`; ``storage_options`` is then its own).
         cache: a :class:`~growcache.Cache` or its directory (created if missing).
         schema: the records' schema. Default: the cache's; for a cache without one, the
             schema inferred from the first file that holds one (see :func:`infer_schema`),
@@ -646,11 +707,17 @@ def import_files(
         max_record_bytes: while the schema is inferred, records longer than this are refused
             before they are read. Default: 64 MiB. With a schema, the longest record it
             allows is the limit.
-        progress: called with each chunk of bytes copied (for a progress bar).
+        progress: called with the bytes of the files as they are read (compressed bytes for a
+            compressed file); a file imported or refused counts whole, so the calls add up to
+            :meth:`TFRecordFiles.total_size` once every file is done (for a progress bar).
         on_file: called with ``(file, records)`` as each file is published.
         report: the :class:`ImportReport` to fill in as the import goes. Default: a new one.
             A caller interrupted (``KeyboardInterrupt``) still reads in it what was imported,
             and which files are ``left``.
+        claim: the caller's :class:`CacheClaim` on the cache directory, told of each time this
+            call opens the cache to store its schema or capacity (the schema another process
+            stored meanwhile is not this call's: the claim then keeps the directory). Default:
+            ``None``.
 
     Returns:
         An :class:`ImportReport`: what was imported, each file skipped and why, and why the
@@ -662,20 +729,22 @@ def import_files(
     """
     from .cache import Cache
 
-    files = TFRecordFiles(sources, storage_options=storage_options)
+    files = sources if isinstance(sources, TFRecordFiles) else TFRecordFiles(sources, storage_options=storage_options)
     paths = files.paths()
     if not isinstance(cache, Cache):
         cache = Cache(cache, capacity=capacity, schema=schema)
     elif schema is not None or capacity is not None:
         cache = Cache(cache.path, capacity=capacity, schema=schema)
+    if claim is not None:
+        claim.opened(cache)
     report = ImportReport() if report is None else report
     report.schema = cache.schema
     report._left = dict.fromkeys(files._url(path) for path in paths)
     known = {shard.seq: shard.records for shard in cache.list_shards()}  # and every shard this import publishes
     try:
         return _import_paths(files, paths, cache, report, known, max_shard_records=max_shard_records,
-                             max_shard_bytes=max_shard_bytes, max_record_bytes=max_record_bytes, progress=progress,
-                             on_file=on_file)
+                             max_shard_bytes=max_shard_bytes, max_record_bytes=max_record_bytes,
+                             read=_ReadProgress(files, progress), on_file=on_file, claim=claim)
     finally:
         held = {shard.seq for shard in cache.list_shards()}
         gone = [records for seq, records in known.items() if seq not in held]
@@ -684,8 +753,8 @@ def import_files(
 
 def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: ImportReport, known: dict[int, int],
                   *, max_shard_records: int | None, max_shard_bytes: int | str | None,
-                  max_record_bytes: int | str | None, progress: Callable[[int], None] | None,
-                  on_file: Callable[[str, int], None] | None) -> ImportReport:
+                  max_record_bytes: int | str | None, read: _ReadProgress,
+                  on_file: Callable[[str, int], None] | None, claim: CacheClaim | None) -> ImportReport:
     """:func:`import_files` once the files are listed and the cache is open; adds the shards it
     publishes to ``known`` (sequence number -> records)."""
     from .cache import Cache
@@ -696,6 +765,7 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
         if _local_directory(files, path):
             _skip_file(report, files._url(path), _directory_error(files._url(path)))
             skipped.add(path)
+            read.done(path)
     if cache.schema is None:
         for path in paths:
             if path in skipped:
@@ -710,14 +780,17 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
                     return report
                 _skip_file(report, url, exc)
                 skipped.add(path)
+                read.done(path)
                 continue
             try:
                 cache = Cache(cache.path, schema=inferred)
             except SchemaMismatchError:  # another import (or sampler) gave the new cache its schema meanwhile
-                cache = Cache(cache.path)
+                cache = Cache(cache.path)  # not this call's schema: the claim is not told of it
                 logger.info("cache %s got the schema %r from another process meanwhile: the files are checked "
                             "against it", cache.path, cache.schema)
             else:
+                if claim is not None:
+                    claim.opened(cache)
                 logger.info("cache %s: schema %r inferred from %s", cache.path, inferred, url)
             break
         else:
@@ -733,14 +806,14 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
         if _in_cache(files, path, cache):
             _skip_file(report, url, RefusedFileError(
                 f"{url} is in cache {cache.path} itself: importing it would duplicate its records."))
+            read.done(path)
             continue
         pieces: list[CopiedShard] = []
         try:
-            chunks, _ = files.stream(path)
+            chunks, _ = files.stream(path, on_read=read.start())
             checker = RecordChecker(codec, url)
             frames = iter_frames(chunks, url, max_record_bytes=codec.max_record_bytes)
-            for piece in copy_records(frames, cache, checker, max_records=max_shard_records, max_bytes=limit,
-                                      progress=progress):
+            for piece in copy_records(frames, cache, checker, max_records=max_shard_records, max_bytes=limit):
                 pieces.append(piece)
             if not pieces:
                 raise CorruptShardError(url, 0, "the file holds no records")
@@ -759,10 +832,12 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
                 logger.error("import stopped at %s: %s", url, report.stopped)
                 return report
             _skip_file(report, url, exc)
+            read.done(path)
             continue
         except BaseException:  # Ctrl-C: nothing of this file stays behind
             _discard(pieces)
             raise
+        read.done(path)
         report._left.pop(url, None)
         known.update((p.seq, p.records) for p in published)
         report.files += 1
@@ -772,6 +847,33 @@ def _import_paths(files: TFRecordFiles, paths: list[str], cache: Cache, report: 
         if on_file is not None:
             on_file(url, sum(p.records for p in published))
     return report
+
+
+class _ReadProgress:
+    """``import_files``' progress: the bytes of the files read, a file done (imported or refused) counted whole."""
+
+    def __init__(self, files: TFRecordFiles, progress: Callable[[int], None] | None) -> None:
+        self.files = files
+        self.progress = progress
+        self.read = 0  # of the file being read
+
+    def start(self) -> Callable[[int], None] | None:
+        """The ``on_read`` of the next file's stream."""
+        self.read = 0
+        return self._add if self.progress is not None else None
+
+    def _add(self, nbytes: int) -> None:
+        self.read += nbytes
+        self.progress(nbytes)  # type: ignore[misc]
+
+    def done(self, path: str) -> None:
+        """``path`` is imported or refused: what of it was not read counts too."""
+        if self.progress is None:
+            return
+        size = self.files.known_size(path)
+        if size is not None and size > self.read:
+            self.progress(size - self.read)
+        self.read = 0
 
 
 _HANDLED = (SchemaError, CorruptShardError, CompressedFileError, CacheFullError, OSError)
@@ -866,3 +968,248 @@ def _publish_all(cache: Cache, pieces: list[CopiedShard]) -> list[ShardInfo]:
         for piece in pieces[len(published):]:
             discard_temporary(piece.path)
     return published
+
+
+# -- a command's cache directory ----------------------------------------------------------------
+#: Seconds a command that failed waits for its new cache's lock before it leaves the directory
+#: in place: a process holding the lock that long is using the cache.
+CLAIM_LOCK_WAIT = 5.0
+# What a cache holds that nothing was ever published into: its files, then its directories,
+# the one a process writing into the cache without the lock writes into (shards/) first.
+_NEW_CACHE_FILES = (STATE_FILE, METADATA_FILE, LOCK_FILE)
+_NEW_CACHE_DIRS = (SHARDS_DIR, _sampler_stats.DIRECTORY, EPOCHS_DIR, LEASES_DIR, SOURCES_DIR)
+
+
+class CacheClaim:
+    """A command's use of a cache directory, and the removal of one it created in vain.
+
+    ``growcache import`` and ``growcache sample`` create their cache directory when it is
+    missing. A first command that fails before it publishes anything would leave it behind,
+    with the capacity and schema it stored, and the next command would take them for the
+    user's. A claim made before the cache is opened tells whether the command creates the
+    directory (:attr:`created`); :meth:`release` removes it again when the command failed,
+    and only when all of this holds:
+
+    - it is the directory this command created, and no other command holding a claim uses
+      it: every claim holds a shared ``flock`` on the directory while its command runs, and
+      the removal takes it exclusively (two first imports into one new directory: the one
+      that fails leaves it to the other);
+    - under the cache's lock (waited for up to :data:`CLAIM_LOCK_WAIT` seconds): nothing was
+      ever published into it; its metadata is as this command last stored it (see
+      :meth:`opened`), so no one else stored a schema or capacity; no sampler pool ran on it
+      but this command's (:meth:`sampler_started`); no shard is being written, no lease,
+      epoch file or sampler stats file is there, and no file growcache does not write.
+
+    Otherwise it stays, and :meth:`release` says why. Directories the command created above
+    the cache go too while they are empty. What no check can see: a program that opened the
+    new cache through the API (not with a command) while the command ran, and wrote nothing
+    to it yet (a loader waiting for the first shards), finds it gone at its next write.
+
+    Args:
+        path: the cache directory, before the command opens or creates it.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        #: The directory was missing when the claim was made: the command creates it.
+        self.created = not os.path.lexists(self.path)
+        #: :meth:`release` removed the directory.
+        self.removed = False
+        self._parents: list[str] = []  # the missing directories above it, deepest first
+        parent = os.path.dirname(self.path)
+        while self.created and not os.path.lexists(parent):
+            self._parents.append(parent)
+            parent = os.path.dirname(parent)
+        self._stored: tuple[str | None, Schema | None, int] | None = None
+        self._runs = 0
+        self._fd: int | None = None
+        if not self.created:
+            self._hold()
+
+    def opened(self, cache: Cache) -> None:
+        """The command opened ``cache`` at this path, and what it holds is what the command stored."""
+        self._hold()
+        self._stored = (cache.cache_id, cache.schema, cache.capacity)
+
+    def sampler_started(self) -> None:
+        """The command starts a sampler pool on the cache (each start is counted in the cache)."""
+        self._runs += 1
+
+    def release(self, *, failed: bool) -> str | None:
+        """End the claim. After a failure, remove the directory if the command created it and it
+        holds nothing but what the command wrote.
+
+        Returns:
+            Why the directory the command created stays although nothing was published into
+            it, or ``None`` (it was removed, was not created by the command, or holds shards).
+        """
+        try:
+            if failed and self.created:
+                return self._remove()
+            return None
+        finally:
+            self._let_go()
+
+    def _hold(self) -> None:
+        """Hold the shared ``flock`` on the directory now at the path (best effort: on a filesystem
+        without locks, another command cannot tell that this one uses it, and keeps it)."""
+        if self._fd is not None:
+            try:
+                if os.path.samestat(os.fstat(self._fd), os.lstat(self.path)):
+                    return
+            except OSError:
+                pass
+            self._let_go()  # a directory removed since (by a command that failed): hold the one there now
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress: an instant
+        except OSError as exc:
+            logger.debug("cannot lock %s (%s): another command cannot tell that this one uses it", self.path, exc)
+        self._fd = fd
+
+    def _let_go(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def _remove(self) -> str | None:
+        from filelock import FileLock, Timeout
+
+        if self._fd is None:  # the command failed before it told of an open: the directory may be there
+            self._hold()
+        try:
+            here = os.lstat(self.path)
+        except FileNotFoundError:
+            self._remove_parents()
+            return None
+        if self._fd is None:
+            return "it cannot be opened, so whether another process uses it cannot be told"
+        if not os.path.samestat(here, os.fstat(self._fd)):
+            return None  # what is there now is not the directory this command created: not its to remove
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "another growcache command is using it"
+        except OSError as exc:
+            return f"its filesystem cannot lock it ({exc.strerror}), so whether another process uses it cannot be told"
+        lock_path = os.path.join(self.path, LOCK_FILE)
+        try:
+            if not stat.S_ISREG(os.lstat(lock_path).st_mode):
+                return f"{LOCK_FILE} there is not a file growcache wrote"
+        except FileNotFoundError:
+            pass  # the command failed before the cache was made whole: the lock file is made now
+        except OSError as exc:
+            return f"its lock file cannot be read ({exc.strerror})"
+        try:
+            with FileLock(lock_path, timeout=CLAIM_LOCK_WAIT):
+                kept = self._unused()
+                if kept is None:
+                    kept = self._remove_layout()
+        except Timeout:
+            return f"another process has held its lock for {CLAIM_LOCK_WAIT:g} s"
+        except OSError as exc:
+            return f"it could not be removed ({exc})"
+        if kept is not None:
+            return kept or None  # "": a cache in use (shards were published into it, or it is another's now)
+        self.removed = True
+        self._remove_parents()
+        logger.debug("removed cache directory %s: the command that created it failed before publishing", self.path)
+        return None
+
+    def _unused(self) -> str | None:
+        """``None`` when the directory holds only what this command wrote and nothing was published;
+        else why it stays (``""``: shards were published into it). Assumes you hold the lock."""
+        for name in os.listdir(self.path):
+            what = _kind(os.path.join(self.path, name))
+            if (name in _NEW_CACHE_FILES and what == "file") or (name in _NEW_CACHE_DIRS and what == "dir"):
+                continue
+            if _WRITE_TEMP.search(name) and what == "file":
+                continue  # a killed process's metadata write: no write is in progress while the lock is held
+            return f"it holds {name}, which is not what a new cache holds"
+        manifest = Manifest(self.path)
+        try:
+            found = read_state_file(manifest.state_path, manifest.state_path)
+            metadata = manifest.read_metadata()
+        except CacheFormatError as exc:
+            return f"its metadata is damaged ({exc})"
+        state = found[0] if found is not None else {}
+        if state.get("published", 0) != 0:
+            return ""
+        if state.get("sampler_runs", 0) not in range(self._runs + 1):
+            return "another process ran a sampler pool on it"
+        if metadata is not None:
+            if self._stored is None:
+                return "another process made it a cache"
+            cache_id, schema, capacity = self._stored
+            stored = Schema.from_dict(metadata["schema"]) if metadata.get("schema") else None
+            if (metadata.get("cache_id"), stored, metadata.get("capacity")) != (cache_id, schema, capacity):
+                return "another process stored a schema or capacity in it meanwhile, so it uses the cache"
+        shards_dir = os.path.join(self.path, SHARDS_DIR)
+        remove_abandoned_temporaries(shards_dir)  # this command's workers' that died
+        listing = scan_shards(shards_dir)
+        if listing.shards:
+            return ""
+        if listing.temporaries:
+            return "another process is writing shards into it"
+        if listing.foreign or listing.irregular:
+            return f"{SHARDS_DIR}/ holds files growcache did not write"
+        for name, what in ((LEASES_DIR, "a reader holds a lease on it"),
+                           (EPOCHS_DIR, "a reader's epoch files are in it"),
+                           (_sampler_stats.DIRECTORY, "a sampler pool runs on it")):
+            if _scandir(os.path.join(self.path, name)):
+                return what
+        sources = _scandir(os.path.join(self.path, SOURCES_DIR))
+        if sources and not self._runs:
+            return "another process's shard source keeps its state in it"
+        if any(not entry.is_file(follow_symlinks=False) for entry in sources):
+            return f"{SOURCES_DIR}/ holds files growcache did not write"
+        return None
+
+    def _remove_layout(self) -> str | None:
+        """Remove what :meth:`_unused` found: ``None`` when all went, else why not (``""``: another
+        process made a cache there again meanwhile). Assumes you hold the lock."""
+        gone: list[str] = []
+        for name in _NEW_CACHE_DIRS:
+            directory = os.path.join(self.path, name)
+            if name == SOURCES_DIR:  # this command's sampler pool's shard source state
+                for entry in _scandir(directory):
+                    _unlink_quiet(entry.path)
+            try:
+                os.rmdir(directory)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                # Something was written into it since it was checked: another process uses the cache
+                # now. The directories removed so far come back, so that the cache stays whole.
+                mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+                for made in gone:
+                    make_dir(made, mode)
+                return f"another process started to use it meanwhile ({name}/: {exc.strerror})"
+            gone.append(directory)
+        names = [entry.name for entry in _scandir(self.path) if _WRITE_TEMP.search(entry.name)]
+        for name in (*names, *_NEW_CACHE_FILES):  # the lock file last
+            _unlink_quiet(os.path.join(self.path, name))
+        try:
+            os.rmdir(self.path)
+        except OSError as exc:  # another process opened the path since the lock file went: the cache is its own
+            logger.debug("cache directory %s stays, made a cache again by another process: %s", self.path, exc)
+            return ""
+        return None
+
+    def _remove_parents(self) -> None:
+        for parent in self._parents:
+            try:
+                os.rmdir(parent)
+            except OSError:  # not empty: something else is there now
+                return
+
+
+def _kind(path: str) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "gone"
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"

@@ -299,9 +299,14 @@ def test_a_budget_too_small_for_one_record_names_the_capacity_flag(tmp_path, cap
     # of it. The error said "shard_size=250 B is smaller than one record: raise shard_size", a flag
     # the user never gave, and the budget it came from, stored by that first run, kept failing
     # later runs without --capacity the same way.
+    # The first run, into a new directory, leaves no cache behind (and no budget stored); a cache
+    # made with that budget before fails the same way without --capacity.
     store = _store(tmp_path)
     cache_dir = str(tmp_path / "c")
     for flags in (["--capacity", "1KB"], []):
+        if not flags:
+            assert not os.path.exists(cache_dir), "the failed first run removed the cache it created"
+            Cache(cache_dir, capacity="1KB")
         assert main(["sample", store, cache_dir, "--window", "64", "--records", "1", "-q", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert "--capacity" in err and "1.0 KB" in err and "raise shard_size" not in err, err
@@ -309,3 +314,26 @@ def test_a_budget_too_small_for_one_record_names_the_capacity_flag(tmp_path, cap
     err = capsys.readouterr().err
     assert "--shard-size 100" in err and "smaller than one record" in err, err
     assert main(["sample", store, cache_dir, "--window", "64", "--records", "1", "-q", "--capacity", "1MB"]) == 0
+
+
+def test_a_failed_first_sample_leaves_no_cache_directory_behind(tmp_path, capsys):
+    # A first `growcache sample` into a new directory that failed (a window longer than the arrays, a
+    # budget too small for one record) left the directory behind, holding the budget it stored: the
+    # next run without --capacity failed on it again. What the command created goes again, the
+    # directories it made above the cache too; a directory that was there before stays.
+    store = _store(tmp_path)
+    top = tmp_path / "new"
+    cache_dir = top / "a" / "cache"
+    for flags, code in ((["--window", "1000"], 1), (["--window", "64", "--capacity", "1KB"], 2)):
+        assert main(["sample", store, str(cache_dir), "--records", "1", "-q", *flags]) == code, flags
+        err = capsys.readouterr().err
+        assert "stays" not in err and "Traceback" not in err, err
+        assert not top.exists(), os.listdir(top)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["sample", store, str(mine), "--records", "1", "-q", "--window", "1000"]) == 1
+    assert (mine / "notes.txt").read_text() == "mine"
+    # The run that works makes the cache with the default budget, not the failed run's 1KB.
+    assert main(["sample", store, str(cache_dir), "--records", "1", "-q", "--window", "64"]) == 0
+    assert Cache(cache_dir).capacity == 500 * 10**9

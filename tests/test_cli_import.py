@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ctrl_c_on_exit_or_kill
+from conftest import ctrl_c_on_exit_or_kill, id_sample, write_shards
 from http_store import FaultyHTTPStore, wait_until
 from tfrecords import framed, labelled
 
@@ -154,4 +154,182 @@ def test_the_last_status_line_of_a_short_import_gives_its_rate(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     last, = [line for line in result.stderr.splitlines() if line.startswith("import: ")]
-    assert last.startswith("import: 2.7 KB, ") and ", 0 B/s," not in last, last
+    assert last.startswith("import: 2.7 KB of 2.7 KB (100%), ") and ", 0 B/s," not in last, last
+
+
+def test_an_import_that_imports_nothing_into_a_new_cache_leaves_no_cache_and_no_budget(tmp_path, capsys):
+    # Every file refused: `growcache import --capacity 1KB` still made the cache and stored the 1KB
+    # budget, and the next import into that path kept it (evicting all but the last file). Nothing
+    # of the failed import stays: neither the directory, nor the directories it made above it.
+    (tmp_path / "bad.tfrecord").write_bytes(b"not a tfrecord file")
+    top = tmp_path / "new"
+    cache_dir = str(top / "a" / "cache")
+    assert main(["import", "-q", str(tmp_path / "bad.tfrecord"), cache_dir, "--capacity", "1KB"]) == 1
+    out = capsys.readouterr().out
+    assert f"REFUSED {tmp_path / 'bad.tfrecord'}" in out and f"the cache directory {cache_dir} that it created was " \
+           "removed" in out, out
+    assert not top.exists()
+    files = _files(tmp_path / "data", 3)  # 545 bytes each: 1KB would hold one
+    assert main(["import", "-q", str(tmp_path / "bad.tfrecord"), *files, cache_dir, "--schema", SCHEMA]) == 1
+    assert Cache(cache_dir).capacity == 500 * 10**9 and Cache(cache_dir).stats().records == 15
+    # An import that imported files does not remove the cache; nor one into a directory that was there.
+    assert main(["import", "-q", str(tmp_path / "bad.tfrecord"), cache_dir]) == 1
+    assert "removed" not in capsys.readouterr().out and Cache(cache_dir).stats().records == 15
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(["import", "-q", str(tmp_path / "bad.tfrecord"), str(mine)]) == 1
+    assert mine.is_dir() and "removed" not in capsys.readouterr().out
+
+
+def test_a_new_cache_another_command_uses_stays_and_the_summary_says_why(tmp_path):
+    # Two first imports into one new directory: the one that fails must not remove the cache under
+    # the other, which opened it meanwhile (its claim's shared lock on the directory says so).
+    from growcache.importer import CacheClaim
+
+    root = tmp_path / "store"
+    root.mkdir()
+    cache_dir = str(tmp_path / "cache")
+    with FaultyHTTPStore(str(root)) as store:
+        url = store.put("bad.tfrecord", b"not a tfrecord file")
+        store.latency = 3.0
+        proc = subprocess.Popen([_exe(), "import", "-q", url, cache_dir], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with ctrl_c_on_exit_or_kill(proc):
+            wait_until(lambda: store.in_flight == 1, timeout=60, what="the inference's read")
+            other = CacheClaim(cache_dir)
+            other.opened(Cache(cache_dir))
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert f"nothing was imported into the cache directory {cache_dir} that it created, which stays: another " \
+           "growcache command is using it" in out and f"rm -r {cache_dir}" in out, out
+    assert other.release(failed=False) is None and os.path.isdir(cache_dir)
+
+
+def _claimed_cache(path, **kwargs):
+    from growcache.importer import CacheClaim
+
+    claim = CacheClaim(path)
+    claim.opened(Cache(path, **kwargs))
+    return claim
+
+
+def test_a_claim_removes_only_a_new_cache_that_holds_nothing_but_what_its_command_stored(tmp_path, monkeypatch):
+    import multiprocessing
+
+    import growcache.importer as importer
+    from growcache.importer import CacheClaim
+    from growcache.writer import temp_shard_name
+
+    cache_dir = tmp_path / "made" / "cache"
+    assert _claimed_cache(cache_dir, capacity="1MB").release(failed=False) is None
+    assert cache_dir.is_dir(), "a command that did not fail keeps its cache"
+    claim = _claimed_cache(tmp_path / "new" / "cache", capacity="1MB")
+    assert claim.release(failed=True) is None and claim.removed and not (tmp_path / "new").exists()
+
+    cases = {
+        "a file of the user's": lambda p: (p / "notes.txt").write_text("mine"),
+        "another process's schema": lambda p: Cache(p, schema={"x": ("float32", (2,))}),
+        "another process's capacity": lambda p: Cache(p, capacity="2MB"),
+        "a live writer's shard": lambda p: (p / "shards" / temp_shard_name("x")).write_bytes(b""),
+        "another sampler run": lambda p: Cache(p)._next_sampler_run(),
+    }
+    reasons = {}
+    for name, change in cases.items():
+        path = tmp_path / name.replace(" ", "-").replace("'", "")
+        claim = _claimed_cache(path, capacity="1MB")
+        change(path)
+        reasons[name] = claim.release(failed=True)
+        assert reasons[name] and not claim.removed and (path / "growcache.json").exists(), (name, reasons[name])
+    assert "notes.txt" in reasons["a file of the user's"]
+    assert "stored a schema or capacity" in reasons["another process's schema"]
+    assert "sampler pool" in reasons["another sampler run"]
+    assert "writing shards" in reasons["a live writer's shard"]
+
+    # Its own sampler pool's run counts as its own.
+    claim = _claimed_cache(tmp_path / "sampled", capacity="1MB")
+    claim.sampler_started()
+    Cache(tmp_path / "sampled")._next_sampler_run()
+    assert claim.release(failed=True) is None and claim.removed
+
+    # Shards published: a cache in use, kept without a word.
+    claim = _claimed_cache(tmp_path / "used", schema={k: (v.dtype.name, v.shape) for k, v in id_sample(0).items()})
+    write_shards(Cache(tmp_path / "used"), [2])
+    assert claim.release(failed=True) is None and not claim.removed and (tmp_path / "used").is_dir()
+
+    # The cache's lock held past the wait: another process is at work in it.
+    claim = _claimed_cache(tmp_path / "locked", capacity="1MB")
+    context = multiprocessing.get_context("fork")
+    ready, done = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(str(tmp_path / "locked"), ready, done))
+    holder.start()
+    monkeypatch.setattr(importer, "CLAIM_LOCK_WAIT", 0.3)
+    try:
+        assert ready.wait(30)
+        reason = claim.release(failed=True)
+    finally:
+        done.set()
+        holder.join(30)
+    assert reason and "held its lock" in reason and (tmp_path / "locked").is_dir(), reason
+
+    # A directory that was there before the command is never removed, even empty.
+    (tmp_path / "there").mkdir()
+    claim = CacheClaim(tmp_path / "there")
+    assert not claim.created and claim.release(failed=True) is None and (tmp_path / "there").is_dir()
+
+
+def _hold_lock(path: str, ready, done) -> None:
+    from filelock import FileLock
+
+    with FileLock(os.path.join(path, ".lock")):
+        ready.set()
+        done.wait(30)
+
+
+def test_the_import_progress_has_the_files_bytes_as_its_total(tmp_path, monkeypatch):
+    # The bar (tqdm on a terminal, the status line without one) had no total: no percentage, no
+    # time left. Its total is the files' bytes, from the listing; it counts the bytes of the files
+    # read (compressed ones for a .gz file) and a refused file whole, so it ends at 100%.
+    import gzip
+    import io
+
+    import growcache._progress
+
+    files = _files(tmp_path / "data", 3)
+    packed = tmp_path / "data" / "train-9.tfrecord.gz"
+    packed.write_bytes(gzip.compress(framed([labelled(9, i) for i in range(200)])))
+    (tmp_path / "data" / "train-bad.tfrecord").write_bytes(b"not a tfrecord file")
+    total = sum(os.path.getsize(p) for p in (*files, packed, tmp_path / "data" / "train-bad.tfrecord"))
+    result = subprocess.run([_exe(), "import", str(tmp_path / "data" / "train-*"), str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "REFUSED" in result.stdout, result.stderr
+    last, = [line for line in result.stderr.splitlines() if line.startswith("import: ")]
+    from growcache._size import format_size
+
+    assert last.startswith(f"import: {format_size(total)} of {format_size(total)} (100%), "), (last, total)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    bars = []
+    real = growcache._progress.Progress.__enter__
+
+    def enter(self):
+        bars.append(self)
+        return real(self)
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(growcache._progress.Progress, "__enter__", enter)
+    assert main(["import", *files, str(tmp_path / "cache2")]) == 0
+    size = sum(os.path.getsize(p) for p in files)
+    assert bars[0].total == size and bars[0].n == size
+    assert "import: 100%|" in screen.getvalue() and f"{size / 1000:.2f}k/{size / 1000:.2f}k" in screen.getvalue(), \
+        screen.getvalue()
+    # A file named on a store has no size without a request of its own: the bar counts, open-ended.
+    root = tmp_path / "store"
+    root.mkdir()
+    with FaultyHTTPStore(str(root)) as store:
+        url = store.put("a.tfrecord", framed([labelled(0, i) for i in range(5)]))
+        assert main(["import", url, str(tmp_path / "cache3")]) == 0
+    assert bars[-1].total is None and bars[-1].n == os.path.getsize(files[0])
