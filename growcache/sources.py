@@ -121,7 +121,9 @@ class ObjectSource(StoreSource):
         retry: retry policy of transient errors. Default: ``RetryPolicy()``.
         relist_every: seconds between listings of the globs in each sampler process, so that
             objects added to a live bucket are drawn and objects gone from it are not; listing
-            runs in the background. ``None`` lists once per process. Default: ``None``.
+            runs in the background, and an object whose size or version changed is fetched
+            afresh (a URL without a glob has its details asked at each listing). ``None`` lists
+            once per process. Default: ``None``.
     """
 
     def __init__(
@@ -315,22 +317,24 @@ class NpyWindowSource(StoreSource):
         cached = self._headers.get(path)
         if cached is not None:
             return cached
+        forgets = self._forgets
         head = self._fetch(path, 0, self.header_bytes)
         more = self._header_length(path, head)
         if more > len(head):  # a rare long header: read the rest of it
             head += self._fetch(path, len(head), more)
-        return self._parse_header(path, head)
+        return self._parse_header(path, head, forgets)
 
     async def aheader(self, path: str) -> NpyHeader:
         """:meth:`header` in the sampler's event loop (concurrent first reads may read it twice)."""
         cached = self._headers.get(path)
         if cached is not None:
             return cached
+        forgets = self._forgets
         head = await self._afetch(path, 0, self.header_bytes)
         more = self._header_length(path, head)
         if more > len(head):
             head += await self._afetch(path, len(head), more)
-        return self._parse_header(path, head)
+        return self._parse_header(path, head, forgets)
 
     def _header_length(self, path: str, head: bytes) -> int:
         """How many bytes from the start of the file the header takes (its magic and length checked)."""
@@ -349,7 +353,10 @@ class NpyWindowSource(StoreSource):
                               "or not an array growcache can sample. Re-save it with numpy.save.")
         return hstart + hlen
 
-    def _parse_header(self, path: str, head: bytes) -> NpyHeader:
+    def _parse_header(self, path: str, head: bytes, forgets: int | None = None) -> NpyHeader:
+        """The header in ``head``, cached unless what was cached of some object was dropped since
+        ``forgets`` (:attr:`_forgets` before the read): a relisting that found ``path`` rewritten
+        while its old header was read must not see the old header cached after it."""
         url = self._url(path)
         major = head[6]
         hstart = 10 if major == 1 else 12
@@ -396,7 +403,9 @@ class NpyWindowSource(StoreSource):
                 f"{url} has {header.rows} rows, fewer than window={self.window}. "
                 "Lower the window or leave out small files."
             )
-        self._headers[path] = header
+        with self._lock:
+            if forgets is None or forgets == self._forgets:
+                self._headers[path] = header
         return header
 
     def sample(self, rng: np.random.Generator) -> Sample:
@@ -437,7 +446,7 @@ class NpyWindowSource(StoreSource):
         self._unclaim_bytes(claimed)
         if cached:
             with self._lock:
-                self._forget(path)
+                self._drop(path, size=False)
             logger.warning("%s changed since its .npy header was read: reading the header again", self._url(path))
         else:
             self._leave_out(path, "is shorter than its .npy header says (truncated)")

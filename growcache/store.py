@@ -111,8 +111,13 @@ class StoreSource(Source):
         self._protocol: str = ""
         self._paths: list[str] | None = None
         self._paths_listed_at = 0.0  # time.monotonic() of the last listing (tried), for relist_every
+        self._listed_in: int | None = None  # the process that made (or tried) that listing
         self._versions: dict[str, str] = {}  # object_version of each path the last listing gave
         self._relisting: threading.Thread | None = None
+        self._relist_failures = 0  # listings failed (or empty) in a row: one WARNING per run of them
+        # Bumped whenever what was cached of an object is dropped (a relisting found it changed or
+        # gone): a read in flight meanwhile does not cache what it read (a header of the old file).
+        self._forgets = 0
         self._sizes: dict[str, int] = {}  # object sizes the listing gave or the store told (-1: it did not)
         # The store told no size for an object: the others are not asked either (fsspec's http asks
         # by a GET of the whole object once HEAD tells nothing), and are fetched as of unknown size.
@@ -134,7 +139,8 @@ class StoreSource(Source):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(_fs=None, _fs_pid=None, bytes_fetched=0, requests=0, retries=0, _lock=None, _sizing={},
-                     _outage_since=None, store_answered=False, _relisting=None)
+                     _outage_since=None, store_answered=False, _relisting=None, _listed_in=None,
+                     _relist_failures=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -227,12 +233,15 @@ class StoreSource(Source):
         bare = self._protocol in ("file", "local") or "://" in path
         return self._redact(path if bare else f"{self._protocol}://{path}")
 
-    def _io(self, what: str | _Reading, url: str | Callable[[], str], fn: Callable[[], Any]) -> Any:
+    def _io(self, what: str | _Reading, url: str | Callable[[], str], fn: Callable[[], Any], *,
+            outage: bool = True) -> Any:
         """Run one store call with retries; turn store errors into growcache errors.
 
         Three layers: the :class:`RetryPolicy`'s tries; the in-flight limit of the sampler
         (told of each throttled try); and, once the store has answered, the outage budget.
         ``url`` is the URL for messages, or a function that makes it (called only when a try fails).
+        ``outage=False``: the call gives up after the policy's tries, never rides out an outage
+        (a background listing, tried again later).
         """
         attempts = None  # made at the first failure: most calls succeed at once
         while True:
@@ -241,7 +250,7 @@ class StoreSource(Source):
             except GrowcacheError:
                 raise
             except Exception as exc:
-                attempts = attempts or _Attempts(self, what, url)
+                attempts = attempts or _Attempts(self, what, url, outage)
                 pause = attempts.pause_after(exc)
             time.sleep(pause)
 
@@ -516,9 +525,12 @@ class StoreSource(Source):
         Listed once per process, then, with :attr:`relist_every`, again in a background thread
         each time that many seconds have passed: objects added to the bucket are drawn from the
         next listing on, objects gone from it are no longer drawn, and an object whose size or
-        version changed is read afresh (a ``.npy`` header is read again). Samples go on from the
-        last listing meanwhile; a listing that fails or matches nothing is logged and the last
-        one kept.
+        version changed is read afresh (a ``.npy`` header is read again; a URL named without a
+        glob has its object's details asked at each listing). Samples go on from the last listing
+        meanwhile; a listing that fails (after the retry policy's tries, never riding out an
+        outage) or matches nothing is logged, once per run of them, and the last one kept. A
+        listing carried from another process (pickled to a sampler) that is older than
+        :attr:`relist_every` is renewed before anything is drawn from it.
 
         Raises:
             SourceError: the glob matches nothing, or the bucket or directory is missing.
@@ -527,7 +539,16 @@ class StoreSource(Source):
             with self._lock:
                 return self._list()
         if self.relist_every is not None and time.monotonic() - self._paths_listed_at >= self.relist_every:
-            self._relist_soon()
+            if self._listed_in != _this_pid[0] and not _in_event_loop():
+                # A listing older than relist_every, carried from another process (the training
+                # process's check(), pickled to each sampler and to each restarted one): listed again
+                # now, before anything is drawn from it, as a first listing is.
+                with self._lock:
+                    if self._listed_in != _this_pid[0]:
+                        self._listed_in = _this_pid[0]
+                        self._relist()
+            else:
+                self._relist_soon()
         return self._paths
 
     def _list(self) -> list[str]:
@@ -543,10 +564,15 @@ class StoreSource(Source):
             self._versions = versions
             self._paths = sorted(found)
             self._paths_listed_at = time.monotonic()
+            self._listed_in = _this_pid[0]
         return self._paths
 
-    def _list_now(self) -> tuple[set[str], dict[str, int], dict[str, str]]:
-        """The paths the URLs name now, the sizes and versions the listing gave of them."""
+    def _list_now(self, outage: bool = True) -> tuple[set[str], dict[str, int], dict[str, str]]:
+        """The paths the URLs name now, the sizes and versions the listing gave of them.
+
+        With :attr:`relist_every`, the details of each path named without a glob are asked too
+        (one request each): its version, so that a rewritten file is read afresh. A named path
+        that is missing stays the fetch's error, as without relisting."""
         fs = self.fs
         found: set[str] = set()
         sizes: dict[str, int] = {}
@@ -554,16 +580,32 @@ class StoreSource(Source):
         for url in self.urls:
             path = fs._strip_protocol(url)
             if _GLOB_CHARS & set(path):
-                listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p))
+                listing = self._io("listing", self._redact(url), lambda p=path: glob_listing(fs, p), outage=outage)
                 files = {p: info for p, info in listing.items() if info.get("type", "file") != "directory"}
-                found.update(files)
-                sizes.update({p: int(info["size"]) for p, info in files.items()
-                              if isinstance(info.get("size"), int) and info["size"] >= 0})
-                versions.update((p, object_version(info)) for p, info in files.items())
             else:
+                files = {}
                 found.add(path)
+                if self.relist_every is not None:
+                    info = self._named_info(url, path, outage)
+                    if isinstance(info, dict) and info.get("type", "file") != "directory":
+                        files = {path: info}
+            found.update(files)
+            sizes.update({p: int(info["size"]) for p, info in files.items()
+                          if isinstance(info.get("size"), int) and info["size"] >= 0})
+            if self.relist_every is not None:  # for the relisting alone: 130 MB a million objects
+                versions.update((p, object_version(info)) for p, info in files.items())
         self._named = frozenset(fs._strip_protocol(url) for url in self.urls if not _GLOB_CHARS & set(url))
         return found, sizes, versions
+
+    def _named_info(self, url: str, path: str, outage: bool) -> Any:
+        """The store's details of ``path``, named without a glob; ``None`` if it is missing."""
+        fs = self.fs
+        try:
+            return self._io("listing", self._redact(url), lambda: _sized(lambda: fs.info(path)), outage=outage)
+        except SourceError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
 
     def _relist_soon(self) -> None:
         """Start one background listing unless one runs or the last is recent."""
@@ -577,40 +619,61 @@ class StoreSource(Source):
             self._relisting.start()
 
     def _relist(self) -> None:
-        """List again and take the new listing (see :meth:`paths`)."""
-        fs = self.fs
+        """List again and take the new listing (see :meth:`paths`).
+
+        A transient failure is tried as the retry policy says, never ridden out as an outage: the
+        next listing comes in :attr:`relist_every` seconds anyway, and samples go on meanwhile."""
+        urls = ", ".join(self._redact(u) for u in self.urls)
+        self._listed_in = _this_pid[0]
         try:
+            fs = self.fs
             try:
                 fs.invalidate_cache()  # fsspec's listings cache would hide what changed
             except Exception:  # noqa: BLE001 - a filesystem without one
                 pass
-            found, sizes, versions = self._list_now()
+            found, sizes, versions = self._list_now(outage=False)
         except Exception as exc:  # noqa: BLE001 - a failed relisting must not stop the sampling
             self._paths_listed_at = time.monotonic()
-            logger.warning("a new listing (relist_every=%g s) failed: %s; samples are still drawn from the last "
-                           "listing (%d objects), and it is tried again in %g s", self.relist_every,
-                           self._redact(str(exc)).rstrip("."), len(self._paths or ()), self.relist_every)
+            self._relist_failed("a new listing (relist_every=%g s) failed: %s; samples are still drawn from the last "
+                                "listing (%d objects), and it is tried again every %g s", self.relist_every,
+                                self._redact(str(exc)).rstrip("."), len(self._paths or ()), self.relist_every)
             return
+        if not found:
+            self._paths_listed_at = time.monotonic()
+            self._relist_failed("listing %s again matched no objects; samples are still drawn from the last listing "
+                                "(%d objects)", urls, len(self._paths or ()))
+            return
+        # Compared and sorted outside the lock, which every sample of the process takes (2 s for a
+        # million objects); only relistings write _versions. Counted against the last listing, not
+        # against the paths drawn from: a path a sample left out (gone, or truncated while written)
+        # and listed again is drawn again, unlogged.
+        listed = self._versions.keys() | (self._named or frozenset())
+        gone = listed - found
+        changed = {p for p in found & self._versions.keys() if p in versions and versions[p] != self._versions[p]}
+        paths = sorted(found)
         with self._lock:
             self._paths_listed_at = time.monotonic()
-            if not found:
-                logger.warning("listing %s again matched no objects; samples are still drawn from the last listing "
-                               "(%d objects)", ", ".join(self._redact(u) for u in self.urls), len(self._paths or ()))
-                return
-            old = set(self._paths or ())
-            gone = old - found
-            changed = {p for p in found & set(self._versions)
-                       if p in versions and versions[p] != self._versions[p]}
             for path in gone | changed:
-                self._sizes.pop(path, None)
-                self._forget(path)
+                self._drop(path)
             self._sizes.update(sizes)
             self._versions = versions
-            self._paths = sorted(found)  # a new list: samples in other threads index the old one meanwhile
-        added = len(found - old)
+            self._paths = paths  # a new list: samples in other threads index the old one meanwhile
+            failures, self._relist_failures = self._relist_failures, 0
+        added = len(found - listed)
+        if failures:
+            logger.warning("listing %s works again, after %d failed or empty listing%s: %d objects", urls, failures,
+                           "s" if failures != 1 else "", len(found))
         if added or gone or changed:
             logger.info("listed %s again: %d objects (%d new, %d gone, %d changed)",
-                        ", ".join(self._redact(u) for u in self.urls), len(found), added, len(gone), len(changed))
+                        urls, len(found), added, len(gone), len(changed))
+
+    def _relist_failed(self, message: str, *args: Any) -> None:
+        """A relisting failed or matched nothing: a WARNING for the first of a run of them, DEBUG after."""
+        self._relist_failures += 1
+        if self._relist_failures == 1:
+            logger.warning(message + " (further failures are logged at DEBUG until a listing works)", *args)
+        else:
+            logger.debug(message, *args)
 
     def _choose(self, rng: np.random.Generator) -> str:
         paths = self.paths()
@@ -639,8 +702,7 @@ class StoreSource(Source):
             if len(left) == len(paths):
                 return  # another sample left it out first
             self._paths = left  # a new list: samples in other threads index the old one meanwhile
-            self._sizes.pop(path, None)
-            self._forget(path)
+            self._drop(path)
         logger.warning("%s %s; it is left out of this sampler's draws (%d objects left)", self._url(path), why,
                        len(left))
         if not left:
@@ -648,8 +710,16 @@ class StoreSource(Source):
                 f"every object matching {', '.join(self.urls)} is gone from the store or changed since it was "
                 "listed: check the bucket and prefix, and restart the pool once the data is back"))
 
+    def _drop(self, path: str, size: bool = True) -> None:
+        """Drop what this process cached about ``path`` (its size too unless ``size=False``); a read
+        of it in flight does not cache what it read (see :attr:`_forgets`). Assumes you hold ``self._lock``."""
+        self._forgets += 1
+        if size:
+            self._sizes.pop(path, None)
+        self._forget(path)
+
     def _forget(self, path: str) -> None:
-        """Drop what this process cached about ``path``. Assumes you hold ``self._lock``."""
+        """Drop what a subclass cached about ``path``. Assumes you hold ``self._lock``."""
 
     def check(self) -> None:
         self.paths()
@@ -658,8 +728,9 @@ class StoreSource(Source):
 class _Attempts:
     """The tries of one store call: the retry policy's, then an outage's (see :meth:`StoreSource._io`)."""
 
-    def __init__(self, source: StoreSource, what: str | _Reading, url: str | Callable[[], str]) -> None:
-        self.source, self.what = source, str(what)
+    def __init__(self, source: StoreSource, what: str | _Reading, url: str | Callable[[], str],
+                 outage: bool = True) -> None:
+        self.source, self.what, self.outage = source, str(what), outage
         self.url = url if isinstance(url, str) else url()
         self.delays = source.retry.delays()
         self.start = time.monotonic()
@@ -678,7 +749,7 @@ class _Attempts:
                                       or time.monotonic() - self.start + delay <= retry.deadline):
                 source._on_retry(self.what, self.url, exc, self.attempt, delay)
                 return delay
-            if not source._rides_out(exc):
+            if not (self.outage and source._rides_out(exc)):
                 raise source._failure(self.what, self.url, exc, self.attempt, self.start) from exc
             self.outage_since = source._outage_begins(self.url, exc)
         pause = source._outage_pause(self.outage_since)
@@ -784,6 +855,15 @@ def object_version(info: Any) -> str:
         return "?"
     key = next((k for k in _VERSION_KEYS if info.get(k) is not None), None)
     return f"size={info.get('size')}" + (f";{key}={info[key]}" if key else "")
+
+
+def _in_event_loop() -> bool:
+    """True in a thread that runs an asyncio event loop (a sampler's: no blocking call there)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _object_claim(size: int | None) -> int:
