@@ -577,7 +577,7 @@ def run_sample_command(args: Any, *, claim: Any = None) -> int:
     so a store that cannot be reached, or data of another shape, is one error, at once.
     With ``tfrecord`` set, the source is a :class:`~growcache.TFRecordShardSource` and the
     first records of its first file play that sample's part (the schema is ``schema``, the
-    cache's, or inferred from them). ``claim``, a :class:`~growcache.importer.CacheClaim`
+    cache's, or inferred from them). ``claim``, a :class:`~growcache.cache_claim.CacheClaim`
     on ``args.cache``, is told of each open of the cache and of the pool's start (the
     command removes a cache it created with it when it fails). Default: ``None``.
 
@@ -658,7 +658,7 @@ def run_sample_command(args: Any, *, claim: Any = None) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    from .importer import CacheClaim
+    from .cache_claim import CacheClaim
 
     _cache_dir_argument(args.cache)
     claim = CacheClaim(args.cache)
@@ -758,7 +758,8 @@ def _max_record_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .importer import CacheClaim, ImportReport, TFRecordFiles, import_files, parse_schema
+    from .cache_claim import CacheClaim
+    from .importer import ImportReport, TFRecordFiles, import_files, parse_schema
 
     try:  # bad flags are usage errors, exit 2
         options = parse_storage_options(args.storage_option)

@@ -184,7 +184,7 @@ def test_an_import_that_imports_nothing_into_a_new_cache_leaves_no_cache_and_no_
 def test_a_new_cache_another_command_uses_stays_and_the_summary_says_why(tmp_path):
     # Two first imports into one new directory: the one that fails must not remove the cache under
     # the other, which opened it meanwhile (its claim's shared lock on the directory says so).
-    from growcache.importer import CacheClaim
+    from growcache.cache_claim import CacheClaim
 
     root = tmp_path / "store"
     root.mkdir()
@@ -206,7 +206,7 @@ def test_a_new_cache_another_command_uses_stays_and_the_summary_says_why(tmp_pat
 
 
 def _claimed_cache(path, **kwargs):
-    from growcache.importer import CacheClaim
+    from growcache.cache_claim import CacheClaim
 
     claim = CacheClaim(path)
     claim.opened(Cache(path, **kwargs))
@@ -216,8 +216,8 @@ def _claimed_cache(path, **kwargs):
 def test_a_claim_removes_only_a_new_cache_that_holds_nothing_but_what_its_command_stored(tmp_path, monkeypatch):
     import multiprocessing
 
-    import growcache.importer as importer
-    from growcache.importer import CacheClaim
+    import growcache.cache_claim as cache_claim
+    from growcache.cache_claim import CacheClaim
     from growcache.writer import temp_shard_name
 
     cache_dir = tmp_path / "made" / "cache"
@@ -262,7 +262,7 @@ def test_a_claim_removes_only_a_new_cache_that_holds_nothing_but_what_its_comman
     ready, done = context.Event(), context.Event()
     holder = context.Process(target=_hold_lock, args=(str(tmp_path / "locked"), ready, done))
     holder.start()
-    monkeypatch.setattr(importer, "CLAIM_LOCK_WAIT", 0.3)
+    monkeypatch.setattr(cache_claim, "CLAIM_LOCK_WAIT", 0.3)
     try:
         assert ready.wait(30)
         reason = claim.release(failed=True)

@@ -1,0 +1,286 @@
+"""A command's claim on its cache directory, and the removal of one it created in vain.
+
+``growcache import`` and ``growcache sample`` create their cache directory when it is missing;
+a first command that fails before it publishes anything removes it again (see
+:class:`CacheClaim`), so that the next command does not take the capacity and schema it stored
+for the user's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+from typing import TYPE_CHECKING
+
+from . import _sampler_stats
+from .errors import CacheFormatError
+from .manifest import (
+    _WRITE_TEMP,
+    EPOCHS_DIR,
+    LEASES_DIR,
+    LOCK_FILE,
+    METADATA_FILE,
+    SHARDS_DIR,
+    SOURCES_DIR,
+    STATE_FILE,
+    Manifest,
+    _scandir,
+    _unlink_quiet,
+    make_dir,
+    read_state_file,
+)
+from .schema import Schema
+from .shard import scan_shards
+from .writer import remove_abandoned_temporaries
+
+if TYPE_CHECKING:
+    from .cache import Cache
+
+__all__ = ["CLAIM_LOCK_WAIT", "CacheClaim"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a command that failed waits for its new cache's lock before it leaves the directory
+#: in place: a process holding the lock that long is using the cache.
+CLAIM_LOCK_WAIT = 5.0
+# What a cache holds that nothing was ever published into: its files, then its directories,
+# the one a process writing into the cache without the lock writes into (shards/) first.
+_NEW_CACHE_FILES = (STATE_FILE, METADATA_FILE, LOCK_FILE)
+_NEW_CACHE_DIRS = (SHARDS_DIR, _sampler_stats.DIRECTORY, EPOCHS_DIR, LEASES_DIR, SOURCES_DIR)
+
+
+class CacheClaim:
+    """A command's use of a cache directory, and the removal of one it created in vain.
+
+    ``growcache import`` and ``growcache sample`` create their cache directory when it is
+    missing. A first command that fails before it publishes anything would leave it behind,
+    with the capacity and schema it stored, and the next command would take them for the
+    user's. A claim made before the cache is opened tells whether the command creates the
+    directory (:attr:`created`); :meth:`release` removes it again when the command failed,
+    and only when all of this holds:
+
+    - it is the directory this command created, and no other command holding a claim uses
+      it: every claim holds a shared ``flock`` on the directory while its command runs, and
+      the removal takes it exclusively (two first imports into one new directory: the one
+      that fails leaves it to the other);
+    - under the cache's lock (waited for up to :data:`CLAIM_LOCK_WAIT` seconds): nothing was
+      ever published into it; its metadata is as this command last stored it (see
+      :meth:`opened`), so no one else stored a schema or capacity; no sampler pool ran on it
+      but this command's (:meth:`sampler_started`); no shard is being written, no lease,
+      epoch file or sampler stats file is there, and no file growcache does not write.
+
+    Otherwise it stays, and :meth:`release` says why. Directories the command created above
+    the cache go too while they are empty. What no check can see: a program that opened the
+    new cache through the API (not with a command) while the command ran, and wrote nothing
+    to it yet (a loader waiting for the first shards), finds it gone at its next write.
+
+    Args:
+        path: the cache directory, before the command opens or creates it.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        #: The directory was missing when the claim was made: the command creates it.
+        self.created = not os.path.lexists(self.path)
+        #: :meth:`release` removed the directory.
+        self.removed = False
+        self._parents: list[str] = []  # the missing directories above it, deepest first
+        parent = os.path.dirname(self.path)
+        while self.created and not os.path.lexists(parent):
+            self._parents.append(parent)
+            parent = os.path.dirname(parent)
+        self._stored: tuple[str | None, Schema | None, int] | None = None
+        self._runs = 0
+        self._fd: int | None = None
+        if not self.created:
+            self._hold()
+
+    def opened(self, cache: Cache) -> None:
+        """The command opened ``cache`` at this path, and what it holds is what the command stored."""
+        self._hold()
+        self._stored = (cache.cache_id, cache.schema, cache.capacity)
+
+    def sampler_started(self) -> None:
+        """The command starts a sampler pool on the cache (each start is counted in the cache)."""
+        self._runs += 1
+
+    def release(self, *, failed: bool) -> str | None:
+        """End the claim. After a failure, remove the directory if the command created it and it
+        holds nothing but what the command wrote.
+
+        Returns:
+            Why the directory the command created stays although nothing was published into
+            it, or ``None`` (it was removed, was not created by the command, or holds shards).
+        """
+        try:
+            if failed and self.created:
+                return self._remove()
+            return None
+        finally:
+            self._let_go()
+
+    def _hold(self) -> None:
+        """Hold the shared ``flock`` on the directory now at the path (best effort: on a filesystem
+        without locks, another command cannot tell that this one uses it, and keeps it)."""
+        if self._fd is not None:
+            try:
+                if os.path.samestat(os.fstat(self._fd), os.lstat(self.path)):
+                    return
+            except OSError:
+                pass
+            self._let_go()  # a directory removed since (by a command that failed): hold the one there now
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress: an instant
+        except OSError as exc:
+            logger.debug("cannot lock %s (%s): another command cannot tell that this one uses it", self.path, exc)
+        self._fd = fd
+
+    def _let_go(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def _remove(self) -> str | None:
+        from filelock import FileLock, Timeout
+
+        if self._fd is None:  # the command failed before it told of an open: the directory may be there
+            self._hold()
+        try:
+            here = os.lstat(self.path)
+        except FileNotFoundError:
+            self._remove_parents()
+            return None
+        if self._fd is None:
+            return "it cannot be opened, so whether another process uses it cannot be told"
+        if not os.path.samestat(here, os.fstat(self._fd)):
+            return None  # what is there now is not the directory this command created: not its to remove
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "another growcache command is using it"
+        except OSError as exc:
+            return f"its filesystem cannot lock it ({exc.strerror}), so whether another process uses it cannot be told"
+        lock_path = os.path.join(self.path, LOCK_FILE)
+        try:
+            if not stat.S_ISREG(os.lstat(lock_path).st_mode):
+                return f"{LOCK_FILE} there is not a file growcache wrote"
+        except FileNotFoundError:
+            pass  # the command failed before the cache was made whole: the lock file is made now
+        except OSError as exc:
+            return f"its lock file cannot be read ({exc.strerror})"
+        try:
+            with FileLock(lock_path, timeout=CLAIM_LOCK_WAIT):
+                kept = self._unused()
+                if kept is None:
+                    kept = self._remove_layout()
+        except Timeout:
+            return f"another process has held its lock for {CLAIM_LOCK_WAIT:g} s"
+        except OSError as exc:
+            return f"it could not be removed ({exc})"
+        if kept is not None:
+            return kept or None  # "": a cache in use (shards were published into it, or it is another's now)
+        self.removed = True
+        self._remove_parents()
+        logger.debug("removed cache directory %s: the command that created it failed before publishing", self.path)
+        return None
+
+    def _unused(self) -> str | None:
+        """``None`` when the directory holds only what this command wrote and nothing was published;
+        else why it stays (``""``: shards were published into it). Assumes you hold the lock."""
+        for name in os.listdir(self.path):
+            what = _kind(os.path.join(self.path, name))
+            if (name in _NEW_CACHE_FILES and what == "file") or (name in _NEW_CACHE_DIRS and what == "dir"):
+                continue
+            if _WRITE_TEMP.search(name) and what == "file":
+                continue  # a killed process's metadata write: no write is in progress while the lock is held
+            return f"it holds {name}, which is not what a new cache holds"
+        manifest = Manifest(self.path)
+        try:
+            found = read_state_file(manifest.state_path, manifest.state_path)
+            metadata = manifest.read_metadata()
+        except CacheFormatError as exc:
+            return f"its metadata is damaged ({exc})"
+        state = found[0] if found is not None else {}
+        if state.get("published", 0) != 0:
+            return ""
+        if state.get("sampler_runs", 0) not in range(self._runs + 1):
+            return "another process ran a sampler pool on it"
+        if metadata is not None:
+            if self._stored is None:
+                return "another process made it a cache"
+            cache_id, schema, capacity = self._stored
+            stored = Schema.from_dict(metadata["schema"]) if metadata.get("schema") else None
+            if (metadata.get("cache_id"), stored, metadata.get("capacity")) != (cache_id, schema, capacity):
+                return "another process stored a schema or capacity in it meanwhile, so it uses the cache"
+        shards_dir = os.path.join(self.path, SHARDS_DIR)
+        remove_abandoned_temporaries(shards_dir)  # this command's workers' that died
+        listing = scan_shards(shards_dir)
+        if listing.shards:
+            return ""
+        if listing.temporaries:
+            return "another process is writing shards into it"
+        if listing.foreign or listing.irregular:
+            return f"{SHARDS_DIR}/ holds files growcache did not write"
+        for name, what in ((LEASES_DIR, "a reader holds a lease on it"),
+                           (EPOCHS_DIR, "a reader's epoch files are in it"),
+                           (_sampler_stats.DIRECTORY, "a sampler pool runs on it")):
+            if _scandir(os.path.join(self.path, name)):
+                return what
+        sources = _scandir(os.path.join(self.path, SOURCES_DIR))
+        if sources and not self._runs:
+            return "another process's shard source keeps its state in it"
+        if any(not entry.is_file(follow_symlinks=False) for entry in sources):
+            return f"{SOURCES_DIR}/ holds files growcache did not write"
+        return None
+
+    def _remove_layout(self) -> str | None:
+        """Remove what :meth:`_unused` found: ``None`` when all went, else why not (``""``: another
+        process made a cache there again meanwhile). Assumes you hold the lock."""
+        gone: list[str] = []
+        for name in _NEW_CACHE_DIRS:
+            directory = os.path.join(self.path, name)
+            if name == SOURCES_DIR:  # this command's sampler pool's shard source state
+                for entry in _scandir(directory):
+                    _unlink_quiet(entry.path)
+            try:
+                os.rmdir(directory)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                # Something was written into it since it was checked: another process uses the cache
+                # now. The directories removed so far come back, so that the cache stays whole.
+                mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+                for made in gone:
+                    make_dir(made, mode)
+                return f"another process started to use it meanwhile ({name}/: {exc.strerror})"
+            gone.append(directory)
+        names = [entry.name for entry in _scandir(self.path) if _WRITE_TEMP.search(entry.name)]
+        for name in (*names, *_NEW_CACHE_FILES):  # the lock file last
+            _unlink_quiet(os.path.join(self.path, name))
+        try:
+            os.rmdir(self.path)
+        except OSError as exc:  # another process opened the path since the lock file went: the cache is its own
+            logger.debug("cache directory %s stays, made a cache again by another process: %s", self.path, exc)
+            return ""
+        return None
+
+    def _remove_parents(self) -> None:
+        for parent in self._parents:
+            try:
+                os.rmdir(parent)
+            except OSError:  # not empty: something else is there now
+                return
+
+
+def _kind(path: str) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "gone"
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
