@@ -405,6 +405,9 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: SamplerPool's, 64; 1 = one request at a time)")
     p.add_argument("--window", type=int, default=None,
                    help="rows per sample: random windows of .npy arrays read by byte range (default: whole objects)")
+    p.add_argument("--relist-every", type=_positive_float, default=None, metavar="SECONDS",
+                   help="list the source's globs again this often in each sampler process, so that objects added "
+                        "to a live bucket are sampled (default: list once)")
     p.add_argument("--feature", default=None, help="feature name of the sampled array (default: x)")
     p.add_argument("--dtype", default=None, help="dtype of raw (non-.npy) objects; needs --shape")
     p.add_argument("--shape", default=None, help="shape of raw objects, e.g. 256,256")
@@ -457,7 +460,7 @@ def _mismatch_hint(args: Any, schema: Any, sample: dict[str, Any]) -> str:
 
 
 _SAMPLE_FLAGS = (("window", "--window"), ("dtype", "--dtype"), ("shape", "--shape"), ("feature", "--feature"),
-                 ("records", "--records"))
+                 ("records", "--records"), ("relist_every", "--relist-every"))
 _TFRECORD_FLAGS = (("schema", "--schema"), ("max_shard_records", "--max-shard-records"))
 
 
@@ -529,7 +532,8 @@ def _open_sample_source(args: Any, options: dict[str, Any], shape: Any, seed: in
 
     source = open_source(args.source, window=getattr(args, "window", None),
                          feature=getattr(args, "feature", None) or "x", dtype=getattr(args, "dtype", None),
-                         shape=shape, storage_options=options, retry=_retry_policy(args))
+                         shape=shape, storage_options=options, retry=_retry_policy(args),
+                         relist_every=getattr(args, "relist_every", None))
     cache = _opened(claim, Cache(args.cache, capacity=getattr(args, "capacity", None)))
     try:
         probe = source(np.random.default_rng(seed))

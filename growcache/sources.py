@@ -485,17 +485,19 @@ def open_source(
     shape: Sequence[int] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
+    relist_every: float | None = None,
 ) -> Source:
     """The source a URL names: windows of ``.npy`` arrays if ``window`` is given, else whole objects.
 
     Whole objects are decoded by ``decoder``; default ``"raw"`` when ``dtype`` and ``shape``
-    are given, else ``".npy"``.
+    are given, else ``".npy"``. ``relist_every``: as for :class:`ObjectSource`.
     """
     if window is not None:
         if decoder is not None:
             raise ValueError("window= reads .npy arrays by byte range; it takes no decoder")
-        return NpyWindowSource(url, window, feature=feature, storage_options=storage_options, retry=retry)
+        return NpyWindowSource(url, window, feature=feature, storage_options=storage_options, retry=retry,
+                               relist_every=relist_every)
     if decoder is None:
         decoder = "raw" if dtype is not None and shape is not None else ".npy"
     return ObjectSource(url, decoder=decoder, feature=feature, dtype=dtype, shape=shape,
-                        storage_options=storage_options, retry=retry)
+                        storage_options=storage_options, retry=retry, relist_every=relist_every)

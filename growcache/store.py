@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import os
 import random
 import threading
@@ -95,8 +97,9 @@ class StoreSource(Source):
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) and u for u in urls):
             raise ValueError(f"url must be a non-empty URL string or list of URLs, got {url!r}")
-        if relist_every is not None and (isinstance(relist_every, bool) or not isinstance(relist_every, (int, float))
-                                         or not relist_every > 0):
+        if relist_every is not None and (isinstance(relist_every, (bool, np.bool_))
+                                         or not isinstance(relist_every, numbers.Real)
+                                         or not relist_every > 0 or not math.isfinite(relist_every)):
             raise ValueError(f"relist_every must be a positive number of seconds or None (list once), "
                              f"got {relist_every!r}")
         self.urls = urls

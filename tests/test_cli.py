@@ -3,13 +3,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from growcache import Cache
 from growcache.cli import main
 from growcache.example import ExampleCodec
 from growcache.records import iter_records
 
-from conftest import write_shards
+from conftest import ctrl_c_on_exit_or_kill, write_shards
 
 
 def test_status_verify_prune(id_cache, capsys):
@@ -337,3 +338,42 @@ def test_a_failed_first_sample_leaves_no_cache_directory_behind(tmp_path, capsys
     # The run that works makes the cache with the default budget, not the failed run's 1KB.
     assert main(["sample", store, str(cache_dir), "--records", "1", "-q", "--window", "64"]) == 0
     assert Cache(cache_dir).capacity == 500 * 10**9
+
+
+def test_sample_relist_every_samples_objects_added_while_it_runs(tmp_path):
+    import numpy as np
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    np.save(remote / "a.npy", np.zeros((8, 2), dtype=np.int64))
+    cache_dir = tmp_path / "live"
+    proc = subprocess.Popen([_exe(), "sample", f"file://{remote}/*.npy", str(cache_dir), "--capacity", "10MB",
+                             "--window", "1", "--relist-every", "0.2", "--shard-size", "1KB", "--max-shard-age", "0.2",
+                             "--concurrency", "1", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with ctrl_c_on_exit_or_kill(proc) as ctrl_c:
+        def values() -> set[int]:
+            if not (cache_dir / "growcache.json").exists() or Cache(cache_dir).schema is None:
+                return set()
+            cache = Cache(cache_dir)
+            codec = ExampleCodec(cache.schema)
+            return {int(codec.decode(r)["x"].flat[0]) for s in cache.list_shards() for _, r in iter_records(s.path)}
+
+        deadline = time.monotonic() + 60
+        while values() != {0} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert values() == {0}, "the first object sampled"
+        np.save(remote / "b.npy", np.ones((8, 2), dtype=np.int64))
+        while 1 not in values() and time.monotonic() < deadline + 60:
+            time.sleep(0.1)
+        assert 1 in values(), "the object added while the command ran is sampled"
+        _, err = ctrl_c()
+    assert proc.returncode == 0, err
+
+
+def test_relist_every_is_for_array_sources(tmp_path, capsys):
+    assert main(["sample", f"file://{tmp_path}/*.tfrecord", str(tmp_path / "c"), "--tfrecord",
+                 "--relist-every", "5"]) == 2
+    assert "--relist-every is for sampling arrays" in capsys.readouterr().err
+    assert main(["sample", f"file://{tmp_path}/*.npy", str(tmp_path / "c"), "--relist-every", "0"]) == 2
+    assert "--relist-every" in capsys.readouterr().err

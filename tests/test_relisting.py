@@ -108,10 +108,15 @@ def test_a_listing_that_matches_nothing_keeps_the_last_one(tmp_path, caplog):
     assert len(source.paths()) == 1
 
 
-@pytest.mark.parametrize("value", [0, -1, "10", True])
+@pytest.mark.parametrize("value", [0, -1, "10", True, float("nan"), float("inf"), np.float64("nan"), np.bool_(True)])
 def test_relist_every_must_be_a_positive_number(tmp_path, value):
     with pytest.raises(ValueError, match="relist_every must be a positive number of seconds"):
         ObjectSource(f"file://{tmp_path}/*.npy", relist_every=value)
+
+
+@pytest.mark.parametrize("value", [np.int64(5), np.float32(0.5), 2])
+def test_relist_every_takes_any_real_number(tmp_path, value):
+    assert ObjectSource(f"file://{tmp_path}/*.npy", relist_every=value).relist_every == float(value)
 
 
 def test_a_running_pool_samples_objects_added_to_the_bucket(s3_server, s3, tmp_path):
