@@ -8,11 +8,15 @@ for the user's.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import signal
 import stat
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import _sampler_stats
 from .errors import CacheFormatError
@@ -45,6 +49,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a command that failed waits for its new cache's lock before it leaves the directory
 #: in place: a process holding the lock that long is using the cache.
 CLAIM_LOCK_WAIT = 5.0
+# The mode Cache() gives a directory it creates (its default mode=0o700; the commands give no other).
+_DIR_MODE = 0o700
+# Times a claim makes its missing directory again when failed commands removed it meanwhile.
+_HOLD_TRIES = 100
 # What a cache holds that nothing was ever published into: its files, then its directories,
 # the one a process writing into the cache without the lock writes into (shards/) first.
 _NEW_CACHE_FILES = (STATE_FILE, METADATA_FILE, LOCK_FILE)
@@ -57,24 +65,28 @@ class CacheClaim:
     ``growcache import`` and ``growcache sample`` create their cache directory when it is
     missing. A first command that fails before it publishes anything would leave it behind,
     with the capacity and schema it stored, and the next command would take them for the
-    user's. A claim made before the cache is opened tells whether the command creates the
-    directory (:attr:`created`); :meth:`release` removes it again when the command failed,
-    and only when all of this holds:
+    user's. A claim made before the cache is opened makes the directory when it is missing
+    (:attr:`created`; with the mode ``Cache()`` gives a directory by default, 0o700, and the
+    missing directories above it) and holds it from then on; :meth:`release` removes it
+    again when the command failed, and only when all of this holds:
 
-    - it is the directory this command created, and no other command holding a claim uses
-      it: every claim holds a shared ``flock`` on the directory while its command runs, and
-      the removal takes it exclusively (two first imports into one new directory: the one
-      that fails leaves it to the other);
+    - it is the directory this claim made, and no other command holding a claim uses it:
+      every claim holds a shared ``flock`` on the directory from its making (or, for one
+      that was there, from the claim) until its command ends, so before its command's
+      ``Cache()`` opens it, and the removal takes it exclusively (two first imports into one
+      new directory: the one that fails leaves it to the other). A claim made while another
+      command's removal is under way waits for it, then makes the directory again;
     - under the cache's lock (waited for up to :data:`CLAIM_LOCK_WAIT` seconds): nothing was
       ever published into it; its metadata is as this command last stored it (see
       :meth:`opened`), so no one else stored a schema or capacity; no sampler pool ran on it
       but this command's (:meth:`sampler_started`); no shard is being written, no lease,
       epoch file or sampler stats file is there, and no file growcache does not write.
 
-    Otherwise it stays, and :meth:`release` says why. Directories the command created above
-    the cache go too while they are empty. What no check can see: a program that opened the
-    new cache through the API (not with a command) while the command ran, and wrote nothing
-    to it yet (a loader waiting for the first shards), finds it gone at its next write.
+    Otherwise it stays, and :meth:`release` says why. Directories the claim made above the
+    cache go too while they are empty. A Ctrl-C during the removal lands once it is done.
+    What no check can see: a program that opened the new cache through the API (not with a
+    command) while the command ran, and wrote nothing to it yet (a loader waiting for the
+    first shards), finds it gone at its next write.
 
     Args:
         path: the cache directory, before the command opens or creates it.
@@ -82,23 +94,23 @@ class CacheClaim:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        #: The directory was missing when the claim was made: the command creates it.
-        self.created = not os.path.lexists(self.path)
+        #: The claim made the directory (it was missing): the command creates the cache in it.
+        self.created = False
         #: :meth:`release` removed the directory.
         self.removed = False
-        self._parents: list[str] = []  # the missing directories above it, deepest first
-        parent = os.path.dirname(self.path)
-        while self.created and not os.path.lexists(parent):
-            self._parents.append(parent)
-            parent = os.path.dirname(parent)
+        self._parents: list[str] = []  # the directories above it the claim made, deepest first
         self._stored: tuple[str | None, Schema | None, int] | None = None
         self._runs = 0
         self._fd: int | None = None
-        if not self.created:
-            self._hold()
+        # The claim makes a missing directory itself and holds it from now on, before its command's
+        # Cache() creates or opens the cache in it: a claim that held nothing until its command told
+        # of an open let another command's failure remove the cache its command had just opened.
+        self._hold(make=True)
 
     def opened(self, cache: Cache) -> None:
         """The command opened ``cache`` at this path, and what it holds is what the command stored."""
+        if os.path.abspath(cache.path) != self.path:
+            return  # another directory (a relative path after a chdir): not what this claim is about
         self._hold()
         self._stored = (cache.cache_id, cache.schema, cache.capacity)
 
@@ -117,29 +129,81 @@ class CacheClaim:
         try:
             if failed and self.created:
                 return self._remove()
+            if failed and not os.path.lexists(self.path):
+                with _ctrl_c_deferred():
+                    self._remove_parents()  # made above a directory the claim could not make
             return None
         finally:
             self._let_go()
 
-    def _hold(self) -> None:
+    def _hold(self, *, make: bool = False) -> None:
         """Hold the shared ``flock`` on the directory now at the path (best effort: on a filesystem
-        without locks, another command cannot tell that this one uses it, and keeps it)."""
+        without locks, another command cannot tell that this one uses it, and keeps it); with
+        ``make``, make the directory (and the missing ones above it) first where it is missing."""
         if self._fd is not None:
+            if self._current():
+                return
+            # Removed (or replaced) since, by something outside the claims (a user's rm -r): who
+            # made the directory there now cannot be told, so it is not this claim's to remove.
+            self._let_go()
+            self.created = False
+        for _ in range(_HOLD_TRIES):
+            made = self._make() if make else False
             try:
-                if os.path.samestat(os.fstat(self._fd), os.lstat(self.path)):
-                    return
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                if make:
+                    continue  # removed between its making and its opening: made again
+                return
+            except OSError:  # a link or a file there: the command's Cache() says what is wrong
+                return
+            self._fd = fd
+            if made:
+                try:
+                    os.fchmod(fd, _DIR_MODE)  # exactly the mode Cache() gives a directory it creates
+                except OSError as exc:
+                    logger.debug("cannot set mode %o on %s: %s", _DIR_MODE, self.path, exc)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress: an instant
+            except OSError as exc:
+                logger.debug("cannot lock %s (%s): another command cannot tell that this one uses it", self.path,
+                             exc)
+            if self._current():
+                self.created = made
+                return
+            # A failed command removed it while this claim waited: make it again (or hold the one there now).
+            self._let_go()
+            if not make:
+                return
+        logger.debug("cache directory %s was removed %d times while a command claimed it", self.path, _HOLD_TRIES)
+
+    def _make(self) -> bool:
+        """Make the directory, and the missing ones above it (recorded); whether this call made it."""
+        missing = []
+        parent = os.path.dirname(self.path)
+        while not os.path.lexists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                continue  # made by another process meanwhile: not this claim's
             except OSError:
-                pass
-            self._let_go()  # a directory removed since (by a command that failed): hold the one there now
+                return False  # the command's Cache() says what is wrong
+            self._parents.insert(0, directory)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            os.mkdir(self.path, _DIR_MODE)
+        except OSError:  # there already, or it cannot be made here: the command's Cache() says why
+            return False
+        return True
+
+    def _current(self) -> bool:
+        """Whether the held directory is the one at the path now."""
+        try:
+            return self._fd is not None and os.path.samestat(os.fstat(self._fd), os.lstat(self.path))
         except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress: an instant
-        except OSError as exc:
-            logger.debug("cannot lock %s (%s): another command cannot tell that this one uses it", self.path, exc)
-        self._fd = fd
+            return False
 
     def _let_go(self) -> None:
         if self._fd is not None:
@@ -149,17 +213,13 @@ class CacheClaim:
     def _remove(self) -> str | None:
         from filelock import FileLock, Timeout
 
-        if self._fd is None:  # the command failed before it told of an open: the directory may be there
-            self._hold()
-        try:
-            here = os.lstat(self.path)
-        except FileNotFoundError:
-            self._remove_parents()
+        if not self._current():
+            # Not the directory this claim made (removed or replaced since, by something outside the
+            # claims): not its to remove. The directories it made above it go while they are empty.
+            if not os.path.lexists(self.path):
+                with _ctrl_c_deferred():
+                    self._remove_parents()
             return None
-        if self._fd is None:
-            return "it cannot be opened, so whether another process uses it cannot be told"
-        if not os.path.samestat(here, os.fstat(self._fd)):
-            return None  # what is there now is not the directory this command created: not its to remove
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -176,17 +236,21 @@ class CacheClaim:
             return f"its lock file cannot be read ({exc.strerror})"
         try:
             with FileLock(lock_path, timeout=CLAIM_LOCK_WAIT):
+                if not self._current():  # replaced while the lock was waited for: the lock is another's
+                    return None
                 kept = self._unused()
                 if kept is None:
-                    kept = self._remove_layout()
+                    with _ctrl_c_deferred():  # a Ctrl-C lands once the removal is whole, not half done
+                        kept = self._remove_layout()
+                        if kept is None:
+                            self.removed = True
+                            self._remove_parents()
         except Timeout:
             return f"another process has held its lock for {CLAIM_LOCK_WAIT:g} s"
         except OSError as exc:
             return f"it could not be removed ({exc})"
         if kept is not None:
             return kept or None  # "": a cache in use (shards were published into it, or it is another's now)
-        self.removed = True
-        self._remove_parents()
         logger.debug("removed cache directory %s: the command that created it failed before publishing", self.path)
         return None
 
@@ -276,6 +340,29 @@ class CacheClaim:
                 os.rmdir(parent)
             except OSError:  # not empty: something else is there now
                 return
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold back a Ctrl-C (SIGINT) until the block is done, then raise it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # not the thread Python's handlers run in, or a handler Python cannot put back
+        return
+    caught: list[tuple[int, Any]] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(*caught[0])
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 def _kind(path: str) -> str:

@@ -333,3 +333,79 @@ def test_the_import_progress_has_the_files_bytes_as_its_total(tmp_path, monkeypa
         url = store.put("a.tfrecord", framed([labelled(0, i) for i in range(5)]))
         assert main(["import", url, str(tmp_path / "cache3")]) == 0
     assert bars[-1].total is None and bars[-1].n == os.path.getsize(files[0])
+
+
+def test_a_failed_first_command_keeps_the_new_cache_a_second_command_opened_meanwhile(tmp_path):
+    # Two commands start on a missing directory. The second's claim is made while it is missing; the
+    # first creates the cache; the second opens it (Cache(), the step before it tells its claim of
+    # the open); the first fails. The first removed the cache under the second, whose shards/ was
+    # gone at its first write: a claim held nothing while its command's Cache() created or opened
+    # the directory.
+    from growcache.cache_claim import CacheClaim
+
+    path = tmp_path / "cache"
+    second = CacheClaim(path)
+    first = CacheClaim(path)
+    first.opened(Cache(path, schema={k: (v.dtype.name, v.shape) for k, v in id_sample(0).items()}))
+    cache = Cache(path)
+    first.release(failed=True)
+    second.opened(cache)
+    assert not first.removed and path.is_dir()
+    write_shards(cache, [2])  # the second command's work goes on in it
+    assert cache.stats().shards == 1 and second.release(failed=True) is None and path.is_dir()
+
+
+def test_a_claim_made_while_a_failed_command_removes_the_directory_holds_the_one_it_makes_again(tmp_path):
+    # A claim waits out a removal in progress (the failed command holds the directory exclusively),
+    # then finds the directory gone: it makes it again and holds that one, so that the removal of
+    # no other failed command takes it from under its command.
+    import fcntl
+    import threading
+    import time
+
+    from growcache.cache_claim import CacheClaim
+
+    path = tmp_path / "new" / "cache"
+    _claimed_cache(path, capacity="1MB").release(failed=False)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    made = []
+    thread = threading.Thread(target=lambda: made.append(CacheClaim(path)))
+    thread.start()
+    time.sleep(0.3)  # it waits for the directory's lock (or, late, finds no directory: the same end)
+    for name in os.listdir(path):
+        full = path / name
+        full.rmdir() if full.is_dir() else full.unlink()
+    path.rmdir()
+    (tmp_path / "new").rmdir()
+    os.close(fd)
+    thread.join(30)
+    claim, = made
+    assert claim.created and path.is_dir()
+    other = CacheClaim(path)  # a second command's claim, which failed at once
+    assert not other.created and other.release(failed=True) is None and path.is_dir()
+    claim.opened(Cache(path, capacity="1MB"))
+    assert claim.release(failed=True) is None and claim.removed and not (tmp_path / "new").exists()
+
+
+def test_a_ctrl_c_during_the_removal_of_a_new_cache_waits_until_it_is_done(tmp_path, monkeypatch):
+    # A Ctrl-C that landed inside the removal left a cache half removed (shards/ gone, its stored
+    # capacity kept for the next command), without a word.
+    import signal
+
+    import pytest
+
+    claim = _claimed_cache(tmp_path / "new" / "cache", capacity="1MB")
+    rmdir, sent = os.rmdir, []
+
+    def interrupted(*args, **kwargs):
+        rmdir(*args, **kwargs)
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "rmdir", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        claim.release(failed=True)
+    monkeypatch.undo()
+    assert sent and claim.removed and not (tmp_path / "new").exists()
