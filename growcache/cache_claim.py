@@ -31,7 +31,6 @@ from .manifest import (
     STATE_FILE,
     Manifest,
     _scandir,
-    _unlink_quiet,
     make_dir,
     read_state_file,
 )
@@ -305,28 +304,34 @@ class CacheClaim:
 
     def _remove_layout(self) -> str | None:
         """Remove what :meth:`_unused` found: ``None`` when all went, else why not (``""``: another
-        process made a cache there again meanwhile). Assumes you hold the lock."""
+        process made a cache there again meanwhile). Assumes you hold the lock.
+
+        Everything goes through the descriptor of the directory this claim made, never through the
+        path: a path swapped for a link to another cache after the last check would otherwise have
+        that cache's files unlinked. Only the last ``rmdir`` takes the path (it removes an empty
+        directory or nothing)."""
+        fd = self._fd
+        assert fd is not None
         gone: list[str] = []
         for name in _NEW_CACHE_DIRS:
-            directory = os.path.join(self.path, name)
             if name == SOURCES_DIR:  # this command's sampler pool's shard source state
-                for entry in _scandir(directory):
-                    _unlink_quiet(entry.path)
+                _unlink_files_in(fd, name)
             try:
-                os.rmdir(directory)
+                os.rmdir(name, dir_fd=fd)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 # Something was written into it since it was checked: another process uses the cache
                 # now. The directories removed so far come back, so that the cache stays whole.
-                mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+                mode = stat.S_IMODE(os.fstat(fd).st_mode)
                 for made in gone:
-                    make_dir(made, mode)
+                    make_dir(made, mode, dir_fd=fd)
                 return f"another process started to use it meanwhile ({name}/: {exc.strerror})"
-            gone.append(directory)
-        names = [entry.name for entry in _scandir(self.path) if _WRITE_TEMP.search(entry.name)]
+            gone.append(name)
+        names = [entry.name for entry in os.scandir(fd) if _WRITE_TEMP.search(entry.name)]
         for name in (*names, *_NEW_CACHE_FILES):  # the lock file last
-            _unlink_quiet(os.path.join(self.path, name))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
         try:
             os.rmdir(self.path)
         except OSError as exc:  # another process opened the path since the lock file went: the cache is its own
@@ -371,3 +376,18 @@ def _kind(path: str) -> str:
     except OSError:
         return "gone"
     return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def _unlink_files_in(fd: int, name: str) -> None:
+    """Unlink the regular files of the directory ``name`` of the directory ``fd`` (links not followed)."""
+    try:
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:  # missing, or not a directory now: the rmdir that follows says what is there
+        return
+    try:
+        for entry in os.scandir(sub):
+            if entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.name, dir_fd=sub)
+    finally:
+        os.close(sub)

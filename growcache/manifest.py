@@ -653,19 +653,20 @@ def _dumps(data: dict[str, Any]) -> bytes:
     return json.dumps(data, indent=1, sort_keys=True).encode()
 
 
-def make_dir(path: str, mode: int) -> None:
+def make_dir(path: str, mode: int, *, dir_fd: int | None = None) -> None:
     """Create the directory ``path`` with exactly ``mode``; leave one that exists as it is.
 
     The umask would strip the bits ``Cache(mode=0o770)`` asks for (to 0o750 under the usual
     022): the group sharing the cache could then write no lease, shard or epoch file in it.
+    ``dir_fd``: ``path`` is relative to that directory (see :func:`os.mkdir`).
     """
     try:
-        os.mkdir(path, mode)
+        os.mkdir(path, mode, dir_fd=dir_fd)
     except FileExistsError:
         return
     try:
         # Through a descriptor, never the name: a link swapped in meanwhile is not followed.
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return  # replaced since: check_layout refuses what is there now
     try:

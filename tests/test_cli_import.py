@@ -409,3 +409,28 @@ def test_a_ctrl_c_during_the_removal_of_a_new_cache_waits_until_it_is_done(tmp_p
         claim.release(failed=True)
     monkeypatch.undo()
     assert sent and claim.removed and not (tmp_path / "new").exists()
+
+
+def test_a_path_swapped_for_a_link_to_another_cache_during_the_removal_leaves_that_cache_whole(tmp_path, monkeypatch):
+    # The removal unlinks through the directory the claim made, never through the path: a path
+    # swapped for a link to another cache after the last check had that cache's metadata, state
+    # and lock file unlinked.
+    from growcache.cache_claim import CacheClaim
+
+    victim = Cache(tmp_path / "victim", capacity="1MB", schema={"x": ("int64", (2,))})
+    before = sorted(os.listdir(victim.path))
+    path = tmp_path / "new"
+    claim = _claimed_cache(path, capacity="1MB")
+    checked = CacheClaim._unused
+
+    def swapped_after_the_check(self):
+        result = checked(self)
+        os.rename(path, tmp_path / "moved")
+        os.symlink(victim.path, path)
+        return result
+
+    monkeypatch.setattr(CacheClaim, "_unused", swapped_after_the_check)
+    claim.release(failed=True)
+    assert sorted(os.listdir(victim.path)) == before
+    assert Cache(victim.path).schema is not None and Cache(victim.path).capacity == 1_000_000
+    assert os.path.islink(path) and not os.listdir(tmp_path / "moved"), "the claim's own directory was emptied"
