@@ -278,17 +278,13 @@ def run_plain(urls: list[str], window: int, threads: int, seconds: float) -> dic
     pool = [threading.Thread(target=loop, args=(n,), daemon=True) for n in range(threads)]
     for t in pool:
         t.start()
-    time.sleep(min(1.0, seconds / 3))
-    c0, t0, cpu0 = sum(counts), time.monotonic(), time.process_time()
-    time.sleep(seconds)
-    c1, t1, cpu1 = sum(counts), time.monotonic(), time.process_time()
-    stop.set()
-    for t in pool:
-        t.join(30)
-    payload = (c1 - c0) * window * ROW_BYTES
-    return {"MBps": payload / (t1 - t0) / 1e6, "samples_per_s": (c1 - c0) / (t1 - t0),
-            "cpu_s_per_GB": (cpu1 - cpu0) / (payload / 1e9) if payload else None,
-            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "first_shard_s": None}
+    try:
+        measured = _measured(lambda: sum(counts), seconds, window)
+    finally:
+        stop.set()
+        for t in pool:
+            t.join(30)
+    return {**measured, "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 class _FloorWriter:

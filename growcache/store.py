@@ -612,6 +612,9 @@ class StoreSource(Source):
 
     def _relist_soon(self) -> None:
         """Start one background listing unless one runs or the last is recent."""
+        running = self._relisting
+        if running is not None and running.is_alive():
+            return  # every sample asks while a listing runs (a large bucket: a minute): no lock for that
         with self._lock:
             running = self._relisting
             if (running is not None and running.is_alive()) or self.relist_every is None \
